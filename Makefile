@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` runs the tool, `make test` runs the whole suite.
+# Both set up everything from nothing (a venv, CPU torch, the native build) and are idempotent.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# torch==2.13.0 is the CPU build that lies on this machine's disk; pinning it keeps pip from
+# ever resolving a multi-GB CUDA build.
+DEPS := torch==2.13.0 numpy psutil aiofiles pytest tqdm setuptools wheel
+
+.PHONY: demo test native setup clean
+
+$(VENV)/.deps-stamp: Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q $(DEPS)
+	touch $@
+
+$(VENV)/.install-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(wildcard native/*.cpp native/*.h)
+	flock .build.lock $(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.install-stamp
+
+native: $(VENV)/.deps-stamp
+	flock .build.lock $(VPY) setup.py -q build_ext --inplace
+
+demo: setup
+	$(VENV)/bin/zero-offload info
+	$(VENV)/bin/zero-offload estimate --model examples/models.py:gpt_small --dp 2
+
+test: setup
+	$(VPY) -m pytest tests
+
+clean:
+	rm -rf build $(VENV) zero_offload/*.so *.egg-info

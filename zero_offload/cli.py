@@ -1,0 +1,221 @@
+"""`zero-offload`: info, estimate, config --check, and the benchmarks.
+
+Benchmark subcommands live in their own modules (zero_offload/bench/) and are imported only
+when run, so a broken benchmark never breaks `info` or `estimate`. Each such module provides
+`add_arguments(parser)` and `main(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from zero_offload import ledger
+from zero_offload.config import PRECISIONS, TIERS, Config, ConfigError
+
+# name -> (module, one-line help)
+_PLUGINS = {
+    "bench-adam": ("zero_offload.bench.adam", "measure CPU Adam against torch and this machine's memory bandwidth"),
+    "bench-io": ("zero_offload.bench.io", "measure a drive with our async I/O, aiofiles and fio"),
+    "bench-step": ("zero_offload.bench.step", "time an offloaded training step and its overlap"),
+}
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _fmt_bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:g} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}"
+    return f"{n:.2f} TiB"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """What this installation can do: native library, CPU features, chosen kernels, torch."""
+    import torch
+
+    from zero_offload import native
+
+    data = {"zero_offload": _version(), "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(), "cpus": len(os.sched_getaffinity(0)), "native": native.info()}
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    nat = data["native"]
+    print(f"zero_offload {data['zero_offload']}  torch {data['torch']}  cuda: {data['cuda']}  cpus: {data['cpus']}")
+    print(f"native library: {'loaded from ' + str(nat['path']) if nat['loaded'] else 'NOT loaded: ' + str(nat['error'])}")
+    feats = [k for k, v in nat["cpu_features"].items() if v]
+    print(f"cpu features:   {' '.join(feats) or '(none of the dispatchable ones)'}")
+    for key, value in nat.items():
+        if isinstance(value, dict) and key != "cpu_features":
+            print(f"{key + ':':15} " + ", ".join(f"{k}={v}" for k, v in value.items()))
+    return 0
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("zero_offload")
+    except Exception:
+        return "unknown"
+
+
+def load_callable(spec: str) -> Callable[[], Any]:
+    """Resolve 'MODULE:CALLABLE' where MODULE is a dotted module or a .py file path."""
+    if ":" not in spec:
+        raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE (e.g. examples/models.py:gpt_small)")
+    mod_name, attr = spec.rsplit(":", 1)
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            if not os.path.exists(mod_name):
+                raise CLIError(f"--model: no such file {mod_name}")
+            spec_obj = importlib.util.spec_from_file_location("_zo_user_model", mod_name)
+            module = importlib.util.module_from_spec(spec_obj)
+            spec_obj.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise CLIError(f"--model: cannot import {mod_name}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise CLIError(f"--model: {mod_name} has no callable {attr!r}")
+    return fn
+
+
+def count_model_params(spec: str) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts of a model built on the meta device (no memory used).
+
+    Tied parameters count once, as they are stored once.
+    """
+    import torch
+
+    fn = load_callable(spec)
+    with torch.device("meta"):
+        model = fn()
+    if not isinstance(model, torch.nn.Module):
+        raise CLIError(f"--model {spec}: returned {type(model).__name__}, not a torch.nn.Module")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
+def _estimate_rows(led: ledger.Ledger) -> list[str]:
+    d = led.as_dict()
+    tiers = [t for t in ledger.TIER_COLUMNS if d["per_rank_by_tier"][t]["total"] or t == "device"]
+    head = f"  {'state group':<22}" + "".join(f"{t + ' (per rank)':>20}" for t in tiers) + f"{'total':>16}"
+    rows = [head]
+    for g in ledger.GROUPS + ("total",):
+        cells = "".join(f"{_fmt_bytes(d['per_rank_by_tier'][t][g]):>20}" for t in tiers)
+        total = d["per_device"][g]
+        label = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (master+m+v)"}.get(g, "total")
+        rows.append(f"  {label:<22}{cells}{_fmt_bytes(total):>16}")
+    rows.append(f"  machine ({led.ranks_per_node} ranks): host RAM {_fmt_bytes(d['machine']['cpu'])}, "
+                f"NVMe {_fmt_bytes(d['machine']['nvme'])}")
+    return rows
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Ideal retained bytes per device, host and NVMe for each requested stage."""
+    if (args.params is None) == (args.model is None):
+        raise CLIError("estimate: give exactly one of --params N or --model MODULE:CALLABLE")
+    frozen = 0
+    params = args.params
+    if args.model:
+        params, frozen = count_model_params(args.model)
+    if params < 0:
+        raise CLIError(f"--params {params}: must be >= 0")
+    stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
+    tiers = {"params": args.params_tier, "grads": args.grads_tier, "optimizer": args.optimizer_tier}
+    results = {}
+    for s in stages:
+        if tiers["params"] != "device" and s < 3:
+            if args.stage != "all":
+                raise CLIError(f"--params-tier {tiers['params']} needs --stage 3")
+            continue
+        results[s] = ledger.ideal(params, args.dp, s, args.precision, tiers, args.ranks_per_node)
+    if args.json:
+        print(json.dumps({"params": params, "frozen_params": frozen,
+                          "stages": {str(s): led.as_dict() for s, led in results.items()}}, indent=2))
+        return 0
+    conv = "2+2+12 bytes/param (compute-dtype weights and grads, fp32 master+m+v)" if args.precision != "fp32" \
+        else "4+4+8 bytes/param (fp32 weights = master, fp32 grads, fp32 m+v)"
+    print(f"P = {params:,} trainable parameters" + (f" (+{frozen:,} frozen, not counted)" if frozen else "")
+          + f", D = {args.dp}, precision {args.precision}: {conv}")
+    for s, led in results.items():
+        print(f"\nZeRO stage {s}: ideal retained bytes per rank = {_fmt_bytes(led.as_dict()['per_device']['total'])}")
+        print("\n".join(_estimate_rows(led)))
+    print("\nIdeal retained state, not peak memory: it excludes " + ", ".join(ledger.EXCLUDED) + ".")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Validate a config file and print it normalized."""
+    cfg = Config.from_file(args.check)
+    print(f"{args.check}: OK")
+    print(json.dumps(cfg.to_dict(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-offload", description="ZeRO offload training for one workstation")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="what loaded: native library, CPU features, kernels")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("estimate", help="ideal bytes per GPU, host RAM and NVMe before training")
+    p.add_argument("--params", type=int, help="number of trainable parameters P")
+    p.add_argument("--model", help="MODULE:CALLABLE building the model (run on the meta device)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks D")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one machine (default D)")
+    p.add_argument("--stage", choices=["0", "1", "2", "3", "all"], default="all")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    for group in ("params", "grads", "optimizer"):
+        p.add_argument(f"--{group}-tier", choices=TIERS, default="device")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_estimate)
+    p = sub.add_parser("config", help="validate a config file")
+    p.add_argument("--check", required=True, metavar="FILE")
+    p.set_defaults(func=cmd_config)
+    for name, (module, help_text) in _PLUGINS.items():
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.set_defaults(func=None, plugin=module)
+    return parser
+
+
+def _run_plugin(module_name: str, argv: Sequence[str], name: str) -> int:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CLIError(f"{name} is not available in this installation: {exc}") from None
+    parser = argparse.ArgumentParser(prog=f"zero-offload {name}")
+    module.add_arguments(parser)
+    return int(module.main(parser.parse_args(list(argv))) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        if argv and argv[0] in _PLUGINS:
+            return _run_plugin(_PLUGINS[argv[0]][0], argv[1:], argv[0])
+        args = parser.parse_args(argv)
+        if args.command == "estimate" and args.dp < 1:
+            raise CLIError(f"--dp {args.dp}: must be >= 1")
+        return args.func(args)
+    except (CLIError, ConfigError, ValueError, OSError) as exc:
+        print(f"zero-offload: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

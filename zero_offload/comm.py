@@ -1,0 +1,87 @@
+"""The only file that calls torch.distributed.
+
+Data parallelism is torch.distributed under torchrun (NCCL on GPUs, gloo on CPU); without an
+initialized process group everything here is the D = 1 identity, so single-process code needs
+no branches. Gloo lacks some fused collectives (reduce-scatter into a tensor); those fall back to
+an equivalent composition here, and only here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def backend() -> str:
+    return str(dist.get_backend()) if is_distributed() else "none"
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce; op is 'sum' or 'max'."""
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+def reduce_scatter_(out: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """out = this rank's 1/D slice of sum over ranks of `full` (full.numel() == D * out.numel())."""
+    n = world_size()
+    if full.numel() != n * out.numel():
+        raise ValueError(f"reduce_scatter: full has {full.numel()} elements, expected {n} x {out.numel()}")
+    if n == 1:
+        return out.copy_(full.view_as(out))
+    if backend() == "nccl":
+        dist.reduce_scatter_tensor(out, full)
+        return out
+    # gloo has no reduce_scatter_tensor: all-reduce a copy and keep our slice.
+    summed = full.detach().clone()
+    dist.all_reduce(summed)
+    r = rank()
+    return out.copy_(summed.view(n, -1)[r].view_as(out))
+
+
+def all_gather_(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """full = concatenation over ranks of each rank's `shard`."""
+    n = world_size()
+    if full.numel() != n * shard.numel():
+        raise ValueError(f"all_gather: full has {full.numel()} elements, expected {n} x {shard.numel()}")
+    if n == 1:
+        return full.copy_(shard.view_as(full))
+    if backend() == "nccl":
+        dist.all_gather_into_tensor(full, shard)
+        return full
+    dist.all_gather(list(full.view(n, -1).unbind(0)), shard.reshape(-1))
+    return full
+
+
+def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    if is_distributed():
+        dist.broadcast(t, src)
+    return t
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_agree(value: Any) -> bool:
+    """True when every rank passed an equal (picklable) value; used to agree on a recorded order."""
+    if not is_distributed():
+        return True
+    values: list[Any] = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return all(v == values[0] for v in values)

@@ -1,0 +1,305 @@
+"""What the user asked for: one frozen, validated configuration.
+
+Every field is checked when the object is built, so a bad value fails before any memory is
+allocated or any file written, with one line that names the field, the value and what is
+allowed. Every combination of stage and tiers is either supported or refused with its reason
+(`_check_combination`).
+
+Build it from keyword arguments, a dict (`Config.from_dict`), a JSON file (`Config.from_file`)
+or a DeepSpeed config (`Config.from_deepspeed`, see deepspeed_compat.py). Nested sections may
+be given as dicts: `Config(tiers={"optimizer": "cpu"})`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+TIERS = ("device", "cpu", "nvme")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam")
+IO_BACKENDS = ("auto", "native", "aiofiles")
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination that zero_offload refuses; the message is one line."""
+
+
+def _fail(path: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"config field '{path}' = {value!r} is invalid: {allowed}")
+
+
+def _check_type(path: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    # bool is an int subclass; a True where a count is expected is almost always a slip.
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
+    if not ok:
+        names = " or ".join(k.__name__ for k in _as_tuple(kind))
+        _fail(path, value, f"expected {names}, got {type(value).__name__}")
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _check_int(path: str, value: Any, low: int, high: int | None = None) -> None:
+    _check_type(path, value, int)
+    if value < low or (high is not None and value > high):
+        _fail(path, value, f"expected an integer in [{low}, {'inf' if high is None else high}]")
+
+
+def _check_float(path: str, value: Any, low: float, high: float | None = None, *, open_low: bool = False) -> None:
+    _check_type(path, value, (int, float))
+    if value != value or value < low or (open_low and value == low) or (high is not None and value > high):
+        bracket = "(" if open_low else "["
+        _fail(path, value, f"expected a number in {bracket}{low}, {'inf' if high is None else high}]")
+
+
+def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(path, value, f"expected one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Where each state group lives: 'device', 'cpu' (pinned host RAM) or 'nvme'.
+
+    params: the compute copy's home between uses (off the device only at stage 3).
+    grads: gradient accumulation buffers / reduced grad shards.
+    optimizer: the master shard and the moments (fp32).
+    """
+
+    params: str = "device"
+    grads: str = "device"
+    optimizer: str = "device"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_choice(f"tiers.{f.name}", getattr(self, f.name), TIERS)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute dtype and, for fp16, the dynamic loss scale (ignored for fp32/bf16)."""
+
+    dtype: str = "fp32"
+    initial_scale_power: int = 16
+    scale_window: int = 1000
+    min_scale: float = 1.0
+    hysteresis: int = 2
+    static_scale: float = 0.0  # > 0 fixes the loss scale; 0 means dynamic
+
+    def __post_init__(self) -> None:
+        _check_choice("precision.dtype", self.dtype, PRECISIONS)
+        _check_int("precision.initial_scale_power", self.initial_scale_power, 0, 64)
+        _check_int("precision.scale_window", self.scale_window, 1)
+        _check_float("precision.min_scale", self.min_scale, 0.0, open_low=True)
+        _check_int("precision.hysteresis", self.hysteresis, 1)
+        _check_float("precision.static_scale", self.static_scale, 0.0)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer and its hyperparameters (Adam with L2, or AdamW with decoupled decay)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    threads: int = 0  # CPU Adam threads; 0 = all cores this process may use
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer.name", self.name, OPTIMIZERS)
+        _check_float("optimizer.lr", self.lr, 0.0)
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            _fail("optimizer.betas", self.betas, "expected two numbers [beta1, beta2]")
+        for i, b in enumerate(self.betas):
+            _check_float(f"optimizer.betas[{i}]", b, 0.0, 1.0)
+            if b == 1.0:
+                _fail(f"optimizer.betas[{i}]", b, "expected a number in [0, 1)")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _check_float("optimizer.eps", self.eps, 0.0, open_low=True)
+        _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
+        _check_int("optimizer.threads", self.threads, 0, 4096)
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """How the NVMe tier talks to the drive (`zero-offload bench-io --write-config` fills it)."""
+
+    block_size: int = 8 * MiB
+    queue_depth: int = 8
+    threads: int = 4
+    backend: str = "auto"
+    direct: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("io.block_size", self.block_size, 4096)
+        if self.block_size % 4096:
+            _fail("io.block_size", self.block_size, "expected a multiple of 4096 (O_DIRECT alignment)")
+        _check_int("io.queue_depth", self.queue_depth, 1, 1024)
+        _check_int("io.threads", self.threads, 1, 256)
+        _check_choice("io.backend", self.backend, IO_BACKENDS)
+        _check_type("io.direct", self.direct, bool)
+
+
+@dataclass(frozen=True)
+class Stage3Config:
+    """Stage 3: how parameters are grouped into units and how far ahead they are fetched.
+
+    live_budget_bytes caps the gathered compute copies alive at once (prefetched ones included).
+    unit_modules names module classes that each form a unit (e.g. "Block"); with none, modules
+    are grouped greedily up to unit_bytes. Parameters of units smaller than resident_bytes stay
+    on the device, gathered once.
+    """
+
+    live_budget_bytes: int = 1 * GiB
+    prefetch_depth: int = 2
+    unit_modules: tuple[str, ...] = ()
+    unit_bytes: int = 64 * MiB
+    resident_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("stage3.live_budget_bytes", self.live_budget_bytes, 1)
+        _check_int("stage3.prefetch_depth", self.prefetch_depth, 0, 64)
+        if isinstance(self.unit_modules, str) or not all(isinstance(m, str) for m in self.unit_modules):
+            _fail("stage3.unit_modules", self.unit_modules, "expected a list of module class names")
+        object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
+        _check_int("stage3.unit_bytes", self.unit_bytes, 1)
+        _check_int("stage3.resident_bytes", self.resident_bytes, 0)
+
+
+_SECTIONS: dict[str, type] = {
+    "tiers": Tiers,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "io": IOConfig,
+    "stage3": Stage3Config,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration surface. See the module docstring for how to build one."""
+
+    stage: int = 0
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    tiers: Tiers = field(default_factory=Tiers)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    nvme_paths: tuple[str, ...] = ()
+    pin_memory: bool = True
+    pinned_budget_bytes: int = 2 * GiB
+    io: IOConfig = field(default_factory=IOConfig)
+    stage3: Stage3Config = field(default_factory=Stage3Config)
+    gradient_accumulation_steps: int = 1
+    clip_grad_norm: float = 0.0  # 0 disables clipping
+    bucket_bytes: int = 32 * MiB
+    overlap_step: bool = True
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, _build(cls, value, name))
+            elif not isinstance(value, cls):
+                _fail(name, value, f"expected a {cls.__name__} or a dict")
+        _check_int("stage", self.stage, 0, 3)
+        self._normalize_paths()
+        _check_type("pin_memory", self.pin_memory, bool)
+        _check_int("pinned_budget_bytes", self.pinned_budget_bytes, 1)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        _check_float("clip_grad_norm", self.clip_grad_norm, 0.0)
+        _check_int("bucket_bytes", self.bucket_bytes, 1)
+        _check_type("overlap_step", self.overlap_step, bool)
+        _check_combination(self)
+
+    def _normalize_paths(self) -> None:
+        paths = self.nvme_paths
+        if isinstance(paths, str):
+            paths = (paths,)
+        if not isinstance(paths, (tuple, list)) or not all(isinstance(p, str) and p for p in paths):
+            _fail("nvme_paths", self.nvme_paths, "expected a directory path or a list of them")
+        object.__setattr__(self, "nvme_paths", tuple(os.path.expanduser(p) for p in paths))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        """Build from a plain dict (as read from JSON); unknown keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        if "zero_optimization" in data:
+            return cls.from_deepspeed(data)
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_file(cls, path: str) -> "Config":
+        """Build from a JSON file (ours or DeepSpeed's)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_deepspeed(cls, data: Mapping[str, Any]) -> "Config":
+        """Map a DeepSpeed config (whole, or just its zero_optimization dict) onto ours."""
+        from zero_offload.deepspeed_compat import config_from_deepspeed
+
+        return config_from_deepspeed(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict that `from_dict` turns back into an equal Config."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    """Construct a config dataclass from a dict, naming unknown keys and their closest match."""
+    if not isinstance(data, Mapping):
+        _fail(prefix or "config", data, "expected a JSON object")
+    known = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else key
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
+            raise ConfigError(f"unknown config key '{where}'{hint}")
+    kwargs = dict(data)
+    for key, value in kwargs.items():
+        if key in _SECTIONS and isinstance(value, Mapping):
+            kwargs[key] = _build(_SECTIONS[key], value, key)
+        elif isinstance(value, list):
+            kwargs[key] = tuple(value)
+    return cls(**kwargs)
+
+
+def _check_combination(c: Config) -> None:
+    """Refuse the stage/tier/precision combinations that cannot work, saying why."""
+    t = c.tiers
+    if t.params != "device" and c.stage < 3:
+        raise ConfigError(
+            f"tiers.params = '{t.params}' needs stage 3 (stage is {c.stage}): below stage 3 every rank "
+            "keeps its full compute copy on the device, so there is nothing to offload")
+    if t.params != "device" and t.optimizer == "device":
+        raise ConfigError(
+            f"tiers.params = '{t.params}' with tiers.optimizer = 'device' is refused: the master shard "
+            "would stay on the device while only the smaller compute copy moves off it")
+    if t.grads != "device" and t.optimizer == "device":
+        raise ConfigError(
+            f"tiers.grads = '{t.grads}' with tiers.optimizer = 'device' is refused: the device optimizer "
+            "would have to copy every gradient back to the device to step it")
+    if "nvme" in (t.params, t.grads, t.optimizer) and not c.nvme_paths:
+        group = next(f.name for f in fields(t) if getattr(t, f.name) == "nvme")
+        raise ConfigError(f"tiers.{group} = 'nvme' needs nvme_paths (one or more directories on the drive)")
+    if c.stage3 != Stage3Config() and c.stage != 3:
+        raise ConfigError(f"stage3 settings are given but stage is {c.stage}: they apply only to stage 3")

@@ -1,0 +1,121 @@
+"""What the training state should cost: the ideal retained bytes of ZeRO, per rank and per tier.
+
+Conventions (bytes per parameter):
+- Mixed precision (bf16/fp16), the ZeRO paper's convention: weights 2 (the compute copy, in the
+  compute dtype), gradients 2 (compute dtype), optimizer 12 (fp32 master weight + fp32 m + fp32 v).
+  Total 16.
+- fp32 training: weights 4 (the fp32 weights are themselves the master), gradients 4, optimizer 8
+  (fp32 m + v). Total 16 as well, split differently.
+
+Partitioning across the D data-parallel ranks is cumulative: stage 1 partitions the optimizer
+group, stage 2 also the gradients, stage 3 also the weights. So per rank:
+  M0 = 16P, M1 = 4P + 12P/D, M2 = 2P + 14P/D, M3 = 16P/D   (mixed precision).
+Offloading is a separate choice: it moves a group's bytes from the device column to the host
+(pinned RAM, same dtype) or NVMe (same dtype) column without changing their number. Tiers hold
+the dtype of their group: weights in the compute dtype, gradients in the compute dtype,
+optimizer state in fp32.
+
+These are IDEAL RETAINED bytes: they exclude activations, gathered (unsharded) layers at stage 3,
+communication buckets, staging buffers, padding to a multiple of D, and allocator overhead.
+They are not a peak-memory prediction; the engine's memory report shows both side by side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+GROUPS = ("weights", "gradients", "optimizer")
+TIER_OF_GROUP = {"weights": "params", "gradients": "grads", "optimizer": "optimizer"}
+TIER_COLUMNS = ("device", "cpu", "nvme")
+EXCLUDED = ("activations", "gathered (unsharded) layers at stage 3", "communication buckets",
+            "staging buffers", "padding to a multiple of D", "allocator overhead")
+
+
+def bytes_per_param(precision: str) -> dict[str, int]:
+    """Bytes per parameter of each state group under `precision` (see the module docstring)."""
+    if precision == "fp32":
+        return {"weights": 4, "gradients": 4, "optimizer": 8}
+    if precision in ("bf16", "fp16"):
+        return {"weights": 2, "gradients": 2, "optimizer": 12}
+    raise ValueError(f"precision {precision!r} is not one of fp32, bf16, fp16")
+
+
+def partitioned(group: str, stage: int) -> bool:
+    """Whether ZeRO `stage` partitions `group` across ranks (cumulative: optimizer, grads, weights)."""
+    return stage >= {"optimizer": 1, "gradients": 2, "weights": 3}[group]
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Ideal retained bytes of one rank, by state group and tier, plus whole-machine totals.
+
+    per_rank[group][tier] is exact (a Fraction when P does not divide by D). ranks_per_node is the
+    number of ranks that share one machine's host RAM and NVMe drive.
+    """
+
+    params: int
+    dp: int
+    stage: int
+    precision: str
+    tiers: dict[str, str]
+    ranks_per_node: int
+    per_rank: dict[str, dict[str, Fraction]]
+
+    def group_total(self, group: str) -> Fraction:
+        return sum(self.per_rank[group].values(), Fraction(0))
+
+    def tier_total(self, tier: str) -> Fraction:
+        """Bytes one rank keeps on `tier` ('device', 'cpu' or 'nvme')."""
+        return sum((self.per_rank[g][tier] for g in GROUPS), Fraction(0))
+
+    @property
+    def total(self) -> Fraction:
+        return sum((self.group_total(g) for g in GROUPS), Fraction(0))
+
+    def machine_total(self, tier: str) -> Fraction:
+        """Bytes all ranks of one machine keep on a shared tier (host RAM or the NVMe drive)."""
+        return self.tier_total(tier) * self.ranks_per_node
+
+    def as_dict(self) -> dict:
+        """JSON-ready: integers where exact, floats otherwise."""
+        return {
+            "params": self.params, "dp": self.dp, "stage": self.stage, "precision": self.precision,
+            "tiers": dict(self.tiers), "ranks_per_node": self.ranks_per_node,
+            "per_device": {**{g: _num(self.group_total(g)) for g in GROUPS}, "total": _num(self.total)},
+            "per_rank_by_tier": {t: {**{g: _num(self.per_rank[g][t]) for g in GROUPS},
+                                     "total": _num(self.tier_total(t))} for t in TIER_COLUMNS},
+            "machine": {t: _num(self.machine_total(t)) for t in ("cpu", "nvme")},
+            "excludes": list(EXCLUDED),
+        }
+
+
+def _num(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: dict[str, str] | None = None,
+          ranks_per_node: int | None = None) -> Ledger:
+    """The ideal retained bytes per rank for P=`params`, D=`dp` at ZeRO `stage`.
+
+    `tiers` maps 'params'/'grads'/'optimizer' to 'device'/'cpu'/'nvme' (default: all on device).
+    """
+    if not isinstance(params, int) or params < 0:
+        raise ValueError(f"params must be a non-negative integer, got {params!r}")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    tiers = {"params": "device", "grads": "device", "optimizer": "device", **(tiers or {})}
+    per_param = bytes_per_param(precision)
+    per_rank: dict[str, dict[str, Fraction]] = {}
+    for group in GROUPS:
+        share = Fraction(params, dp) if partitioned(group, stage) else Fraction(params)
+        per_rank[group] = {t: Fraction(0) for t in TIER_COLUMNS}
+        per_rank[group][tiers[TIER_OF_GROUP[group]]] = share * per_param[group]
+    return Ledger(params, dp, stage, precision, tiers, ranks_per_node or dp, per_rank)
+
+
+def formula(params: int, dp: int, stage: int) -> Fraction:
+    """The seed's closed forms (mixed precision): 16P, 4P + 12P/D, 2P + 14P/D, 16P/D."""
+    p, d = Fraction(params), Fraction(dp)
+    return [16 * p, 4 * p + 12 * p / d, 2 * p + 14 * p / d, 16 * p / d][stage]

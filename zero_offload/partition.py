@@ -1,0 +1,102 @@
+"""Flat buffers and shards: where each parameter's elements sit, and which rank owns them.
+
+A flat buffer lays a group of parameters out contiguously, in a fixed order, padded at the end so
+it splits into D equal shards. Rank r owns elements [r*S, (r+1)*S) with S = padded_numel / D; all
+optimizer state is kept per shard. A parameter may straddle two shards; `pieces(rank)` lists the
+parts of each parameter that fall in one rank's shard, which is all the engine needs to copy
+between per-parameter tensors and shards.
+
+Padding is extra alignment too: each shard's numel is rounded up to `align` elements so that
+shards and NVMe slots start on whole vector widths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter `index` that lies in one shard: param[param_offset : +numel] ==
+    shard[shard_offset : +numel] (both flattened)."""
+
+    index: int
+    param_offset: int
+    shard_offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Layout of one flat buffer over `world` ranks. Build it with `FlatLayout.build`."""
+
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    world: int
+    shard_numel: int
+
+    @staticmethod
+    def build(shapes: Sequence[torch.Size | Sequence[int]], world: int, align: int = 16) -> "FlatLayout":
+        if world < 1:
+            raise ValueError(f"world size must be >= 1, got {world}")
+        sizes = [torch.Size(s) for s in shapes]
+        offsets, total = [], 0
+        for s in sizes:
+            offsets.append(total)
+            total += s.numel()
+        per_rank = -(-total // world)
+        shard = max(align, -(-per_rank // align) * align)
+        return FlatLayout(tuple(sizes), tuple(offsets), total, world, shard)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in flat-buffer coordinates."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parts of each parameter inside rank's shard, in flat order."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for i, (shape, off) in enumerate(zip(self.shapes, self.offsets)):
+            start, end = max(lo, off), min(hi, off + shape.numel())
+            if start < end:
+                out.append(Piece(i, start - off, start - lo, end - start))
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views into a full (gathered) flat buffer of padded_numel elements."""
+        if flat.numel() != self.padded_numel:
+            raise ValueError(f"flat buffer has {flat.numel()} elements, layout needs {self.padded_numel}")
+        return [flat[o:o + s.numel()].view(s) for s, o in zip(self.shapes, self.offsets)]
+
+    def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new padded flat buffer holding `tensors` (zeros in the padding)."""
+        dtype = dtype or tensors[0].dtype
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        for view, t in zip(self.views(flat), tensors):
+            view.copy_(t)
+        return flat
+
+    def shard_from(self, tensors: Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:
+        """Copy rank's shard of `tensors` into `out` (shard_numel elements; padding zeroed)."""
+        out.zero_()
+        for p in self.pieces(rank):
+            src = tensors[p.index].reshape(-1)[p.param_offset:p.param_offset + p.numel]
+            out[p.shard_offset:p.shard_offset + p.numel].copy_(src)
+        return out
+
+    def scatter_into(self, shard: torch.Tensor, rank: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy rank's shard back into the matching parts of `tensors` (the inverse of shard_from)."""
+        for p in self.pieces(rank):
+            dst = tensors[p.index].view(-1)[p.param_offset:p.param_offset + p.numel]
+            dst.copy_(shard[p.shard_offset:p.shard_offset + p.numel])

@@ -1,0 +1,61 @@
+"""One interface for every tier: the engine asks a store, never "which tier?".
+
+A store owns the bytes of one state group on one tier (device memory, pinned host RAM, or NVMe
+slots) under string keys. Transfers are asynchronous: `read`/`write` return a Handle whose
+`wait()` completes them. Resident tiers (device, cpu) also expose the tensor itself through
+`view`, so the step can work in place with no copy; the NVMe tier returns None there and the
+caller reads into a staging buffer.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+
+class Handle:
+    """A pending transfer; `wait()` finishes it (re-raising its error) and returns its tensor."""
+
+    def __init__(self, wait_fn: Callable[[], None] | None = None, result: torch.Tensor | None = None) -> None:
+        self._wait_fn = wait_fn
+        self._result = result
+
+    def wait(self) -> torch.Tensor | None:
+        if self._wait_fn is not None:
+            fn, self._wait_fn = self._wait_fn, None
+            fn()
+        return self._result
+
+
+class Store(ABC):
+    """Bytes of one state group on one tier, by key."""
+
+    tier: str = ""
+
+    @abstractmethod
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        """Reserve room for a 1-D tensor under `key` (contents undefined until written)."""
+
+    @abstractmethod
+    def write(self, key: str, src: torch.Tensor) -> Handle:
+        """Start copying `src` into the store; `src` must stay alive and unchanged until wait()."""
+
+    @abstractmethod
+    def read(self, key: str, dst: torch.Tensor) -> Handle:
+        """Start copying the stored tensor into `dst`; wait() returns `dst`."""
+
+    def view(self, key: str) -> torch.Tensor | None:
+        """The stored tensor itself when the tier is addressable memory, else None."""
+        return None
+
+    @abstractmethod
+    def free(self, key: str) -> None:
+        """Release `key`'s bytes."""
+
+    @abstractmethod
+    def bytes_retained(self) -> int:
+        """Bytes this store holds now, padding included (the memory report's 'retained')."""
+
+    def close(self) -> None:
+        """Release everything (NVMe files are removed)."""
