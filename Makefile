@@ -23,9 +23,13 @@ setup: $(VENV)/.install-stamp
 native: $(VENV)/.deps-stamp
 	flock .build.lock $(VPY) setup.py -q build_ext --inplace
 
+# The main job: what loaded here, the ledger for the example model, then real training of it
+# at stage 3 with parameters and optimizer state on the nvme tier (a temporary directory).
 demo: setup
 	$(VENV)/bin/zero-offload info
-	$(VENV)/bin/zero-offload estimate --model examples/models.py:gpt_small --dp 2
+	$(VENV)/bin/zero-offload estimate --model examples/models.py:gpt_small --stage 3 \
+		--params-tier nvme --grads-tier cpu --optimizer-tier nvme
+	$(VPY) examples/train_gpt.py
 
 test: setup
 	$(VPY) -m pytest tests

@@ -36,10 +36,10 @@ def test_closed_forms_for_random_p_and_d() -> None:
     assert ledger.ideal(p, d, 3).total == Fraction(16 * 7, 3)
 
 
-def test_fp32_convention_totals_16_bytes_split_4_4_8() -> None:
+def test_fp32_convention_is_4_4_12_with_a_separate_master() -> None:
     led = ledger.ideal(10, 1, 0, "fp32").as_dict()["per_device"]
-    assert led == {"weights": 40, "gradients": 40, "optimizer": 80, "total": 160}
-    assert ledger.ideal(12, 3, 1, "fp32").as_dict()["per_device"]["total"] == 4 * 12 + 4 * 12 + 8 * 4
+    assert led == {"weights": 40, "gradients": 40, "optimizer": 120, "total": 200}
+    assert ledger.ideal(12, 3, 1, "fp32").as_dict()["per_device"]["total"] == 4 * 12 + 4 * 12 + 12 * 4
 
 
 def test_offload_moves_bytes_between_columns_and_machine_totals() -> None:

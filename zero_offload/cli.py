@@ -148,7 +148,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                           "stages": {str(s): led.as_dict() for s, led in results.items()}}, indent=2))
         return 0
     conv = "2+2+12 bytes/param (compute-dtype weights and grads, fp32 master+m+v)" if args.precision != "fp32" \
-        else "4+4+8 bytes/param (fp32 weights = master, fp32 grads, fp32 m+v)"
+        else "4+4+12 bytes/param (fp32 compute copy, fp32 grads, fp32 master+m+v)"
     print(f"P = {params:,} trainable parameters" + (f" (+{frozen:,} frozen, not counted)" if frozen else "")
           + f", D = {args.dp}, precision {args.precision}: {conv}")
     for s, led in results.items():

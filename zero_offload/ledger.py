@@ -4,8 +4,11 @@ Conventions (bytes per parameter):
 - Mixed precision (bf16/fp16), the ZeRO paper's convention: weights 2 (the compute copy, in the
   compute dtype), gradients 2 (compute dtype), optimizer 12 (fp32 master weight + fp32 m + fp32 v).
   Total 16.
-- fp32 training: weights 4 (the fp32 weights are themselves the master), gradients 4, optimizer 8
-  (fp32 m + v). Total 16 as well, split differently.
+- fp32 training: weights 4 (the compute copy), gradients 4, optimizer 12 (fp32 master + m + v).
+  Total 20. The master is counted apart from the compute copy because that is what an offloading
+  engine holds: the compute copy lives with the model (device), the master shard with the
+  optimizer state (possibly host or NVMe). Only a device-resident, unpartitioned optimizer could
+  alias the two; we do not, so retained equals ideal.
 
 Partitioning across the D data-parallel ranks is cumulative: stage 1 partitions the optimizer
 group, stage 2 also the gradients, stage 3 also the weights. So per rank:
@@ -34,7 +37,7 @@ EXCLUDED = ("activations", "gathered (unsharded) layers at stage 3", "communicat
 def bytes_per_param(precision: str) -> dict[str, int]:
     """Bytes per parameter of each state group under `precision` (see the module docstring)."""
     if precision == "fp32":
-        return {"weights": 4, "gradients": 4, "optimizer": 8}
+        return {"weights": 4, "gradients": 4, "optimizer": 12}
     if precision in ("bf16", "fp16"):
         return {"weights": 2, "gradients": 2, "optimizer": 12}
     raise ValueError(f"precision {precision!r} is not one of fp32, bf16, fp16")

@@ -1,14 +1,49 @@
 """Adam/AdamW on one flat shard: the step the engine runs where the optimizer state lives.
 
 A flat shard is a contiguous run of fp32 master weights with its two moments. The engine calls
-`adam_step_flat` once per shard per step; `CPUAdam` (cpu_adam.py) calls it once per tensor.
-This reference path is plain torch so that it runs everywhere; the native kernels replace it.
+`adam_step_flat` once per shard per step; `CPUAdam` (cpu_adam.py) steps its tensors through the
+same native kernel, many per call. Without the native library the plain-torch path below runs
+(and says so once), so everything works everywhere, only slower.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from zero_offload.optim import _native_adam
+
+_FLOAT_STATE = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _check_cpu_contiguous(name: str, t: torch.Tensor, numel: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"adam_step_flat: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"adam_step_flat: {name} must be on the CPU, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"adam_step_flat: {name} must be contiguous")
+    if t.numel() != numel:
+        raise ValueError(f"adam_step_flat: {name} has {t.numel()} elements, param has {numel}")
+
+
+def _check_args(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, lowp_out: torch.Tensor | None, step: int) -> None:
+    """One-line errors for anything the kernel would otherwise read or write out of bounds."""
+    n = param.numel() if isinstance(param, torch.Tensor) else -1
+    for name, t in zip(_FLOAT_STATE, (param, exp_avg, exp_avg_sq)):
+        _check_cpu_contiguous(name, t, n)
+        if t.dtype != torch.float32:
+            raise ValueError(f"adam_step_flat: {name} must be float32, got {t.dtype}")
+    _check_cpu_contiguous("grad", grad, n)
+    if grad.dtype not in _native_adam.GRAD_DTYPES:
+        raise ValueError(f"adam_step_flat: grad must be float32, bfloat16 or float16, got {grad.dtype}")
+    if lowp_out is not None:
+        _check_cpu_contiguous("lowp_out", lowp_out, n)
+        if lowp_out.dtype not in _native_adam.OUT_DTYPES:
+            raise ValueError(f"adam_step_flat: lowp_out must be bfloat16 or float16, got {lowp_out.dtype}")
+    if isinstance(step, bool) or int(step) != step or step < 1:
+        raise ValueError(f"adam_step_flat: step must be a whole number >= 1, got {step!r}")
 
 
 def adam_step_flat(
@@ -27,8 +62,42 @@ def adam_step_flat(
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
     check_finite: bool = False,
+    isa: str | None = None,
+    threads: int | None = None,
 ) -> bool:
-    """Update `param`, `exp_avg`, `exp_avg_sq` in place; return True if a gradient was non-finite."""
+    """Update `param`, `exp_avg`, `exp_avg_sq` in place; return True if a gradient was non-finite.
+
+    `step` is the 1-based step count after this update (bias correction uses it). `grad_scale`
+    multiplies the gradient first (1/loss-scale times the clip coefficient). With `check_finite`
+    the scaled gradient is scanned before anything is written; if any element is Inf/NaN the
+    call returns True and param, both moments and `lowp_out` are left exactly as they were, so
+    the caller can skip the step (the scan reads the gradient once more: 2 or 4 bytes/element,
+    never the state). Without it a non-finite gradient propagates into the state as torch would.
+    `lowp_out`, if given, receives the updated weights rounded to nearest even in its own dtype
+    (the upload copy), written in the same pass. `isa` (scalar|avx2|avx512) and `threads` override
+    the process defaults (see _native_adam).
+    """
+    _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
+    threads = _native_adam.resolve_threads(threads)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 decoupled=decoupled, grad_scale=grad_scale, check_finite=check_finite)
+    if not _native_adam.available():
+        if isa is not None:
+            _native_adam.check_isa(isa, "isa")  # raises: a named ISA needs the native kernels
+        _native_adam.warn_fallback_once("adam_step_flat")
+        return _adam_step_flat_torch(param, grad, exp_avg, exp_avg_sq, step=step, lowp_out=lowp_out, **hyper)
+    item = _native_adam.make_tensor(param, grad, exp_avg, exp_avg_sq, step, lowp_out)
+    return _native_adam.step([item], _native_adam.make_hyper(**hyper),
+                             isa=_native_adam.resolve_isa(isa),
+                             threads=threads)
+
+
+def _adam_step_flat_torch(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    decoupled: bool, grad_scale: float, lowp_out: torch.Tensor | None, check_finite: bool,
+) -> bool:
+    """The same step in plain torch: the fallback when the native library is missing."""
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
@@ -39,7 +108,7 @@ def adam_step_flat(
             param.mul_(1.0 - lr * weight_decay)
         else:
             g = g + weight_decay * param
-    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     bc1 = 1.0 - beta1**step
     bc2_sqrt = math.sqrt(1.0 - beta2**step)

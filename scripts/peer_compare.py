@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Time zero_offload beside DeepSpeed and a plain torch loop on the peer's model, interleaved.
+
+The peer script (../shared/peer/ds_e2e.py) trains a 29.5M-parameter GPT under DeepSpeed ZeRO
+offload on the CPU. This script builds the very same model class from that file, with the same
+seeds and synthetic data, trains it under zero_offload, and runs the peer's configs in between
+ours, round after round, so every ratio compares figures measured minutes apart on this noisy
+machine. It never imports DeepSpeed itself: the peer runs in its own virtualenv (--ds-python).
+
+    python scripts/peer_compare.py --ds-python /tmp/dsvenv/bin/python --rounds 2
+
+Our configs:
+  zo_stage2_cpu    stage 2, optimizer state and gradients on cpu (vs DeepSpeed zero2_cpu)
+  zo_stage3_nvme   stage 3, parameters and optimizer state on nvme (vs zero3_nvme_maxcpu0)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+TAG = "PEER_COMPARE_RESULT "
+PAIRS = [("torch", None), ("zero2_cpu", "zo_stage2_cpu"), ("zero3_nvme_maxcpu0", "zo_stage3_nvme")]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    here = os.path.dirname(os.path.abspath(__file__))
+    p.add_argument("--peer-script", default=os.path.join(here, "..", "..", "shared", "peer", "ds_e2e.py"))
+    p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python", help="python of a venv with deepspeed")
+    p.add_argument("--workdir", default=None, help="scratch dir on the drive under test (default: a temp dir)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--only-ours", action="store_true", help="skip the DeepSpeed runs")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def _peer_module(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("ds_e2e_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config(name: str, nvme_dir: str) -> Any:
+    from zero_offload import Config
+
+    common = dict(optimizer={"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
+    if name == "zo_stage2_cpu":
+        return Config(stage=2, tiers={"grads": "cpu", "optimizer": "cpu"}, **common)
+    if name == "zo_stage3_nvme":
+        return Config(stage=3, tiers={"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
+                      nvme_paths=(nvme_dir,), stage3={"unit_modules": ["Block"]}, **common)
+    raise SystemExit(f"unknown config {name}")
+
+
+def _proc_io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One of our configs in this process, timed the way the peer times its own."""
+    import torch
+
+    import zero_offload
+
+    peer = _peer_module(args.peer_script)
+    torch.set_num_threads(os.cpu_count() or 1)
+    GPT = peer.build_model_classes()
+    g = torch.Generator().manual_seed(1234 + 1)
+    data = [(torch.randint(0, 8192, (4, 128), generator=g), torch.randint(0, 8192, (4, 128), generator=g))
+            for _ in range(args.warmup + args.steps)]
+    torch.manual_seed(1234)
+    model = GPT(vocab=8192, seq=128, d=512, n_layer=8, n_head=8)
+    model.init_weights()
+    nparams = sum(p.numel() for p in model.parameters())
+    with tempfile.TemporaryDirectory(dir=args.workdir) as nvme_dir:
+        engine = zero_offload.initialize(model, _config(args.worker, nvme_dir))
+        times: dict[str, list[float]] = {"fwd": [], "bwd": [], "step": [], "total": []}
+        io0 = None
+        for i, (x, y) in enumerate(data):
+            if i == args.warmup:
+                io0 = _proc_io()
+            t0 = time.perf_counter()
+            loss = engine(x, y)
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            t2 = time.perf_counter()
+            engine.step()
+            t3 = time.perf_counter()
+            for k, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("step", t3 - t2), ("total", t3 - t0)):
+                times[k].append(v)
+        io1 = _proc_io()
+        del engine
+    w, n = args.warmup, args.steps
+    res = {"config": args.worker, "n_params": nparams,
+           **{f"{k}_s_median": round(statistics.median(v[w:]), 4) for k, v in times.items()},
+           "disk_read_mib_per_step": round((io1["read_bytes"] - io0["read_bytes"]) / n / 2**20, 1),
+           "disk_write_mib_per_step": round((io1["write_bytes"] - io0["write_bytes"]) / n / 2**20, 1),
+           "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    print(TAG + json.dumps(res), flush=True)
+
+
+def _run(cmd: list[str], env: dict[str, str], tag: str) -> dict[str, Any]:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith(tag):
+            return json.loads(line[len(tag):])
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... printed no result (exit {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def run_peer(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any]:
+    # DeepSpeed JIT-builds its CPU Adam and async I/O ops into TORCH_EXTENSIONS_DIR on first use.
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MAX_JOBS": "2"}
+    res = _run([args.ds_python, args.peer_script, "--workdir", workdir, "--config", name,
+                "--warmup", str(args.warmup), "--steps", str(args.steps)], env, "DS_E2E_RESULT ")
+    return {"config": name, "total_s_median": res["step_s_median"], "fwd_s_median": res["fwd_s_median"],
+            "bwd_s_median": res["bwd_s_median"], "step_s_median": res["opt_s_median"],
+            "disk_read_mib_per_step": res.get("disk_read_mib_per_step"),
+            "disk_write_mib_per_step": res.get("disk_write_mib_per_step"),
+            "peak_rss_mib": res.get("peak_rss_mib_vmhwm")}
+
+
+def run_ours(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--peer-script", args.peer_script,
+           "--workdir", workdir, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    return _run(cmd, dict(os.environ), TAG)
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    root = args.workdir or tempfile.mkdtemp(prefix="peer_compare_", dir="/work" if os.path.isdir("/work") else None)
+    os.makedirs(root, exist_ok=True)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for r in range(args.rounds):
+        for peer_name, ours in PAIRS:
+            jobs = ([] if args.only_ours else [("ds", peer_name)]) + ([("zo", ours)] if ours else [])
+            for who, name in jobs:
+                res = run_peer(args, name, root) if who == "ds" else run_ours(args, name, root)
+                results.setdefault(name, []).append(res)
+                print(f"round {r + 1}: {name:20} {res['total_s_median']:.3f} s/step", file=sys.stderr, flush=True)
+    summary = {name: {k: statistics.median([x[k] for x in runs]) for k in runs[0] if k.endswith("_median")}
+               | {"disk_read_mib_per_step": runs[-1]["disk_read_mib_per_step"],
+                  "disk_write_mib_per_step": runs[-1]["disk_write_mib_per_step"],
+                  "peak_rss_mib": max(x["peak_rss_mib"] or 0 for x in runs)}
+               for name, runs in results.items()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    _print_table(summary)
+
+
+def _print_table(summary: dict[str, dict[str, Any]]) -> None:
+    print(f"{'config':22}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'read MiB':>10}{'write MiB':>10}{'peak RSS':>10}")
+    for name, s in summary.items():
+        print(f"{name:22}{s['total_s_median']:9.3f}{s['fwd_s_median']:8.3f}{s['bwd_s_median']:8.3f}"
+              f"{s['step_s_median']:8.3f}{s['disk_read_mib_per_step'] or 0:10.0f}"
+              f"{s['disk_write_mib_per_step'] or 0:10.0f}{s['peak_rss_mib']:10.0f}")
+    base = summary.get("torch", {}).get("total_s_median")
+    for peer_name, ours in PAIRS:
+        if ours in summary and peer_name in summary:
+            print(f"{ours} vs DeepSpeed {peer_name}: {summary[peer_name]['total_s_median'] / summary[ours]['total_s_median']:.2f}x faster")
+        if ours in summary and base:
+            print(f"{ours} vs plain torch loop: {summary[ours]['total_s_median'] / base:.2f}x the torch step time")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()

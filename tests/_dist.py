@@ -1,0 +1,74 @@
+"""Run a test function on D gloo ranks in spawned processes, under a hard timeout.
+
+Each rank arms faulthandler to dump every thread's stack shortly before the deadline, so a
+deadlock fails fast and shows where each rank was stuck. A rank's exception is written to a file
+and becomes the parent's failure message. Functions must be importable (module level).
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeout: float, errdir: str,
+               kwargs: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    stackfile = open(os.path.join(errdir, f"stack{rank}.txt"), "w")
+    faulthandler.dump_traceback_later(max(timeout - 10, 5), exit=True, file=stackfile)
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+        fn(rank, world, **kwargs)
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(errdir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.stderr.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_ranks(fn: Callable[..., None], world: int, *, timeout: float = 200.0, **kwargs: Any) -> None:
+    """Run fn(rank, world, **kwargs) on `world` ranks (world 1 still runs in a child, without a group)."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as errdir:
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, timeout, errdir, kwargs))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        msgs = []
+        for r, p in enumerate(procs):
+            for name in (f"error{r}.txt", f"stack{r}.txt"):
+                path = os.path.join(errdir, name)
+                if os.path.exists(path) and os.path.getsize(path):
+                    msgs.append(f"--- rank {r} {name} ---\n" + open(path).read())
+            if p.exitcode != 0 and not msgs:
+                msgs.append(f"rank {r} exited with code {p.exitcode}")
+        if hung or any(p.exitcode != 0 for p in procs):
+            pytest.fail(f"{world} ranks failed (hung: {hung}, exit codes {[p.exitcode for p in procs]}):\n"
+                        + "\n".join(msgs), pytrace=False)

@@ -1,0 +1,79 @@
+"""`zero-offload bench-io`: report, config snippet, and cleanup on every exit path."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zero_offload.bench import io as bench_io
+from zero_offload.bench.io_runners import FioRunner
+from zero_offload.config import Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_io.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_small_run_prints_table_ratios_and_a_loadable_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = tmp_path / "io.json"
+    work = tmp_path / "drive"
+    work.mkdir()
+    args = _args(["--path", str(work), "--size", "8MiB", "--block-sizes", "1MiB", "--queue-depths", "2",
+                  "--threads", "1,2", "--rounds", "1", "--fio-engines", "libaio", "--write-config", str(cfg)])
+    assert bench_io.main(args) == 0
+    out = capsys.readouterr().out
+    assert "zero-offload bench-io --path" in out and "--size 8MiB" in out
+    for kind in ("native", "aiofiles"):
+        assert any(line.split()[:4] == [kind, "1MiB", "2", "1"] for line in out.splitlines()), out
+    assert "comparison at block 1MiB" in out
+    if FioRunner.available():
+        assert "fio-libaio" in out and "native / best reference engine: write " in out
+        assert "native+crc / best reference engine: write " in out
+    io = Config.from_file(str(cfg)).io  # the snippet is a valid config
+    assert io.block_size == 1 << 20 and io.queue_depth == 2 and io.threads in (1, 2)
+    assert os.listdir(work) == []
+
+
+def test_json_output_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = _args(["--path", str(tmp_path), "--size", "4MiB", "--block-sizes", "1MiB", "--queue-depths", "1",
+                  "--threads", "1", "--rounds", "1", "--no-fio", "--backends", "aiofiles", "--json"])
+    assert bench_io.main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["comparison"]) == {"aiofiles", "aiofiles+crc"} and data["config"]["io"]["backend"] == "aiofiles"
+    assert data["comparison"]["aiofiles"]["read"]["median"] > 0
+    with pytest.raises(ValueError, match="--path '/nonexistent' is not an existing directory"):
+        bench_io.run(_args(["--path", "/nonexistent"]))
+    with pytest.raises(ValueError, match="--backends 'spdk': expected native and/or aiofiles"):
+        bench_io.run(_args(["--path", str(tmp_path), "--backends", "spdk"]))
+    with pytest.raises(argparse.ArgumentTypeError, match="'4 parsecs' is not a size"):
+        bench_io.parse_size("4 parsecs")
+    assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_removes_the_test_files(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "zero_offload.cli", "bench-io", "--path", str(tmp_path), "--size", "64MiB",
+           "--block-sizes", "1MiB", "--rounds", "100", "--no-fio"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(p.startswith("zero_offload-bench-io-") for p in os.listdir(tmp_path)):
+            time.sleep(0.05)
+        time.sleep(0.5)  # let it get into the measurements
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "bench-io: interrupted; test files removed" in err
+    assert os.listdir(tmp_path) == []

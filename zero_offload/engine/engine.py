@@ -1,0 +1,210 @@
+"""The public facade: `initialize(model, config)` → Engine, and the engine's phase state machine.
+
+The Engine owns the order of calls (IDLE → FORWARD → BACKWARD → STEP → IDLE), the micro-batch
+count that decides the gradient-accumulation boundary, and the fp16 loss scale applied in
+backward. Everything that differs between ZeRO stages sits behind a runtime (runtime.py for
+stages 0-2, the stage-3 helper's Stage3Runtime for stage 3) with one interface.
+"""
+from __future__ import annotations
+
+import os
+from enum import Enum
+from typing import Any
+
+import torch
+
+from zero_offload import comm
+from zero_offload.config import Config, ConfigError
+from zero_offload.engine.shard_optimizer import DTYPES
+
+
+class Phase(Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+class EngineStateError(RuntimeError):
+    """A call out of order (e.g. step() before backward())."""
+
+
+class PhaseMachine:
+    """The engine's phase; each transition names the phases it may leave and says what is wrong."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+
+    def _move(self, call: str, allowed: tuple[Phase, ...], to: Phase, hint: str) -> None:
+        if self.phase not in allowed:
+            raise EngineStateError(f"engine.{call} called in phase {self.phase.value}: {hint}")
+        self.phase = to
+
+    def start_forward(self) -> None:
+        self._move("forward", (Phase.IDLE, Phase.FORWARD), Phase.FORWARD,
+                   "call engine.step() after engine.backward() before the next forward")
+
+    def start_backward(self) -> None:
+        self._move("backward()", (Phase.FORWARD,), Phase.BACKWARD, "run a forward (engine(...)) first")
+
+    def start_step(self) -> None:
+        self._move("step()", (Phase.BACKWARD,), Phase.STEP, "call engine.backward(loss) first")
+
+    def finish_step(self) -> None:
+        self._move("step()", (Phase.STEP,), Phase.IDLE, "internal error: step finished twice")
+
+
+def _device_for(model: torch.nn.Module) -> torch.device:
+    """The compute device: CUDA (LOCAL_RANK's GPU) when present, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+class Engine:
+    """Trains `model` under `config`; see the package docs for the call sequence."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, *, init_fn: Any = None,
+                 weights: str | None = None) -> None:
+        self.config = config
+        self.device = _device_for(model)
+        self.dtype = DTYPES[config.precision.dtype]
+        self.orig_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
+        self.phase = PhaseMachine()
+        self.micro_step = 0
+        self.global_steps = 0
+        if config.stage == 3:
+            # The runtime materializes (meta models) and places the model unit by unit and
+            # broadcasts rank 0's initial values itself: moving the whole model to the device
+            # first would defeat stage 3.
+            from zero_offload.engine.stage3 import Stage3Runtime
+
+            self.module = model
+            self.runtime: Any = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
+            return
+        if init_fn is not None or weights is not None:
+            raise ConfigError("initialize: init_fn and weights (materializing a meta model) need stage 3")
+        if any(p.is_meta for p in model.parameters()):
+            raise ConfigError("initialize: the model has parameters on the meta device; build it for real "
+                              "or use stage 3 with init_fn= or weights=")
+        from zero_offload.engine.runtime import BucketRuntime
+
+        self.module = model.to(self.device, self.dtype)
+        self._broadcast_initial_state()
+        self.runtime = BucketRuntime(self.module, config, self.device)
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's weights and buffers, as DDP does."""
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast_(t.data, 0)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """param_groups for torch.optim.lr_scheduler schedulers (the update itself is engine.step())."""
+        return self.runtime.optimizer
+
+    @property
+    def is_boundary(self) -> bool:
+        """Whether the current micro-batch ends a gradient-accumulation cycle."""
+        return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
+            self.runtime.begin_forward(self.is_boundary)
+        self.phase.start_forward()
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (scaled for fp16); gradients are reduced and stepped as they arrive."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
+                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        self.phase.start_backward()
+        scale = self.runtime.shard_optimizer.scaler.scale
+        self.runtime.begin_backward(self.is_boundary)
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            self.runtime.end_backward()
+
+    def step(self) -> bool:
+        """At the accumulation boundary apply the update (False if skipped for overflow); clears grads."""
+        self.phase.start_step()
+        applied = False
+        try:
+            if self.is_boundary:
+                applied = self.runtime.step()
+                self.global_steps += 1
+            self.micro_step += 1
+        finally:
+            self.phase.finish_step()
+        return applied
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.runtime.shard_optimizer.skipped_steps
+
+    def memory_report(self, verbose: bool = True) -> dict:
+        """Ideal vs retained vs peak bytes per tier x group; prints the table on rank 0 if verbose."""
+        from zero_offload.engine.memory import memory_report
+
+        report = memory_report(self)
+        if verbose and comm.rank() == 0:
+            print(report["table"])
+        return report
+
+    def save_checkpoint(self, path: str) -> None:
+        from zero_offload.engine.checkpoint import save
+
+        self._require_idle("save_checkpoint")
+        save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        from zero_offload.engine.checkpoint import load
+
+        self._require_idle("load_checkpoint")
+        load(self, path)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.
+        A collective: every rank must call it."""
+        from zero_offload.engine.checkpoint import consolidated_state_dict
+
+        return consolidated_state_dict(self)
+
+    def _require_idle(self, call: str) -> None:
+        if self.phase.phase not in (Phase.IDLE, Phase.FORWARD):
+            raise EngineStateError(f"engine.{call} called in phase {self.phase.phase.value}: call engine.step() first")
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def initialize(model: torch.nn.Module, config: Config | dict | str | None = None, *, init_fn: Any = None,
+               weights: str | None = None, **kwargs: Any) -> Engine:
+    """An Engine for `model`; `config` is a Config, a dict, a JSON path, or keyword arguments.
+
+    At stage 3 a model built on the meta device is materialized unit by unit, from `init_fn`
+    (called per module to initialize its parameters) or from `weights` (a .safetensors file or a
+    torch state-dict file, memory-mapped), so a model larger than host RAM is never whole in memory.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"initialize expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(config, str):
+        config = Config.from_file(config)
+    elif isinstance(config, dict):
+        config = Config.from_dict(config)
+    elif config is None:
+        config = Config()
+    elif not isinstance(config, Config):
+        raise ConfigError(f"config must be a Config, dict or path, got {type(config).__name__}")
+    if kwargs:
+        config = Config.from_dict({**config.to_dict(), **kwargs})
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("initialize: the model has no parameter with requires_grad=True")
+    return Engine(model, config, init_fn=init_fn, weights=weights)

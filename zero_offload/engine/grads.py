@@ -1,0 +1,154 @@
+"""Stage 0-2 gradients: buckets, the hooks that fill them, and the reduction into grad shards.
+
+Trainable parameters are grouped, in reverse registration order (roughly the order backward
+produces their gradients), into buckets of at most `bucket_bytes`. Each bucket is a flat buffer
+(partition.FlatLayout). When the last gradient of a bucket has been accumulated, the bucket is
+flattened, scaled by 1/(D x accumulation steps) and reduced: at stage 0 all-reduced whole (every
+rank steps every bucket), at stages 1-2 reduce-scattered so each rank gets its grad shard.
+Buckets are reduced strictly in index order, so every rank issues the same collectives in the
+same order even when a parameter gets no gradient (it counts as zero, filled in at the end).
+
+Gradient accumulation: between boundaries, stage 0/1 adds the whole flat bucket into an
+accumulation buffer on the grads tier; stage 2 reduce-scatters every micro-batch and accumulates
+only its grad shard (that is the stage-2 saving). On the boundary micro-batch the reduced shard
+goes straight to `sink` (the step), with no buffer at all when there is no accumulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from zero_offload import comm
+from zero_offload.partition import FlatLayout
+from zero_offload.store.base import Store
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    layout: FlatLayout
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def key(self) -> str:
+        return f"bucket{self.index}"
+
+
+def make_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int, world: int) -> list[Bucket]:
+    """Greedy buckets over `named` (already in backward order), each at most bucket_bytes unless
+    a single parameter is larger."""
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in named:
+        nbytes = p.numel() * p.element_size()
+        if groups[-1] and size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += nbytes
+    return [Bucket(i, [p for _, p in g], [n for n, _ in g], FlatLayout.build([p.shape for _, p in g], world))
+            for i, g in enumerate(groups) if g]
+
+
+class GradReducer:
+    """Owns the bucket hooks and reductions of one model; hands each grad shard to `sink`."""
+
+    def __init__(self, buckets: list[Bucket], *, partitioned: bool, accumulate_shard: bool,
+                 accum_store: Store, dtype: torch.dtype, scale: float,
+                 sink: Callable[[Bucket, torch.Tensor], None]) -> None:
+        self.buckets = buckets
+        self.partitioned = partitioned  # reduce-scatter (stage 1-2) or all-reduce (stage 0)
+        self.accumulate_shard = accumulate_shard  # stage 2: accumulate after reduce-scatter
+        self.store = accum_store
+        self.dtype = dtype
+        self.scale = scale
+        self.sink = sink
+        self.rank = comm.rank()
+        self.active = False
+        self.boundary = True
+        self._next = 0
+        self._has_acc: set[str] = set()
+        self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+
+    def begin(self, boundary: bool) -> None:
+        self.active, self.boundary, self._next = True, boundary, 0
+        for b in self.buckets:
+            b.ready.clear()
+
+    def end(self) -> None:
+        """After backward: reduce every bucket still waiting (parameters without a gradient)."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        self.active = False
+        if self.boundary:
+            self._has_acc.clear()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.active:
+            raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), "
+                               "not loss.backward()")
+        bucket, i = self._slot[id(p)]
+        bucket.ready.add(i)
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _flatten(self, b: Bucket) -> torch.Tensor:
+        """The bucket's gradients as one scaled flat buffer; the parameters' .grad are released."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        flat = b.layout.flatten(grads, dtype=self.dtype)
+        for p in b.params:
+            p.grad = None
+        return flat.mul_(self.scale)
+
+    def _launch(self, b: Bucket) -> None:
+        flat = self._flatten(b)
+        if not self.accumulate_shard:
+            flat = self._accumulate(b.key, flat)
+            if flat is None:
+                return
+        shard = self._reduce(b, flat)
+        del flat
+        if self.accumulate_shard:
+            shard = self._accumulate(b.key, shard)
+            if shard is None:
+                return
+        self.sink(b, shard)
+
+    def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+        if not self.partitioned:
+            return comm.all_reduce_(flat)
+        shard = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        return comm.reduce_scatter_(shard, flat)
+
+    def _accumulate(self, key: str, t: torch.Tensor) -> torch.Tensor | None:
+        """Add `t` to key's accumulation buffer; return the sum on the boundary, else None."""
+        if key in self._has_acc:
+            t = t + self._load(key).to(t.device)
+        if self.boundary:
+            return t
+        if key not in self.store.keys():
+            self.store.allocate(key, t.numel(), t.dtype)
+        self.store.write(key, t).wait()
+        self._has_acc.add(key)
+        return None
+
+    def _load(self, key: str) -> torch.Tensor:
+        view = self.store.view(key)
+        if view is not None:
+            return view
+        return self.store.read(key, torch.empty(self._numel(key), dtype=self.dtype)).wait()
+
+    def _numel(self, key: str) -> int:
+        b = self.buckets[int(key[len("bucket"):])]
+        return b.layout.shard_numel if self.accumulate_shard else b.layout.padded_numel
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,119 @@
+"""Module and autograd hooks that tell the stage-3 runtime when a unit is needed and when it is done.
+
+Forward: a pre-hook on each module that uses units (a unit's root module, or a module that reads a
+tied parameter owned by another unit) acquires them; a post-hook releases them.
+Backward, "needed": the post-hook registers a gradient hook on every output tensor; it fires when
+the gradient of that output is computed, i.e. before the module's backward runs, and the runtime
+gathers the units again (idempotently: several outputs, a module called twice, activation
+checkpointing's recomputation all reach it more than once).
+Backward, "done": a post-accumulate-grad hook on every trainable parameter fires once per backward
+(autograd sums every use of a parameter first), so a unit whose trainable parameters have all
+reported is done. A unit with no trainable parameter is done when the gradient of its inputs has
+been computed; an identity autograd Function wrapped around its inputs reports that.
+
+Nothing is stored on the modules or parameters: the runtime keeps its own tables, and the handles
+returned here remove every hook.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zero_offload.engine.unit import Unit
+
+
+class HookTarget(Protocol):
+    def forward_enter(self, module: nn.Module, units: Sequence[Unit], counted: bool) -> None: ...
+    def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None: ...
+    def backward_enter(self, units: Sequence[Unit]) -> None: ...
+    def inputs_grad(self, units: Sequence[Unit]) -> None: ...
+    def param_grad(self, unit: Unit) -> None: ...
+    def wants_inputs_grad(self, units: Sequence[Unit]) -> bool: ...
+
+
+class _InputsGrad(torch.autograd.Function):
+    """Identity on tensors; its backward (the gradient of the module's inputs) calls `done`."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts (a module's output or arguments)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _wrap_args(args: tuple, done: Callable[[], None]) -> tuple[tuple, bool]:
+    """Route the top-level grad-requiring tensor arguments through _InputsGrad (False: none)."""
+    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not slots:
+        return args, False
+    outs = _InputsGrad.apply(done, *(args[i] for i in slots))
+    new = list(args)
+    for i, t in zip(slots, outs):
+        new[i] = t
+    return tuple(new), True
+
+
+def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookTarget) -> list[RemovableHandle]:
+    """Forward pre/post hooks and output-gradient hooks on every module that uses units."""
+    handles: list[RemovableHandle] = []
+    for module, units in users.items():
+        handles.append(module.register_forward_pre_hook(_pre_hook(units, target)))
+        handles.append(module.register_forward_hook(_post_hook(units, target)))
+    return handles
+
+
+def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple], tuple | None]:
+    def hook(module: nn.Module, args: tuple) -> tuple | None:
+        counted = False
+        if torch.is_grad_enabled() and target.wants_inputs_grad(units):
+            args, counted = _wrap_args(args, lambda: target.inputs_grad(units))
+        target.forward_enter(module, units, counted)
+        return args if counted else None
+    return hook
+
+
+def _post_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, Any], None]:
+    def on_output_grad(grad: torch.Tensor) -> None:
+        target.backward_enter(units)
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(on_output_grad)
+        target.forward_exit(module, units)
+    return hook
+
+
+def install_param_hooks(units: Sequence[Unit], target: HookTarget) -> list[RemovableHandle]:
+    """One post-accumulate-grad hook per trainable parameter, reporting to its unit."""
+    handles: list[RemovableHandle] = []
+    for unit in units:
+        group = unit.trainable
+        for p in group.params if group is not None else []:
+            handles.append(p.register_post_accumulate_grad_hook(_grad_hook(unit, target)))
+    return handles
+
+
+def _grad_hook(unit: Unit, target: HookTarget) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        target.param_grad(unit)
+    return hook

@@ -1,0 +1,155 @@
+"""Initial weights for stage 3, one unit at a time, so no more than one unit is ever whole in RAM.
+
+A model may be built normally (its parameters hold the weights), or on the meta device (nothing
+allocated). For a meta model the weights come from a file (`weights=`: a .safetensors file, read
+through mmap by the small reader below, or a torch state dict, `torch.load(mmap=True)`), or from
+an init function called on each module (default: its `reset_parameters()`), in module order.
+
+Meta parameters cannot take real data in place (torch refuses `.data =` across the meta device),
+so they are replaced by new nn.Parameter objects, once, in every module that registers them:
+tied weights stay one object. The model's parameter objects change; keep the model, not them.
+
+With an init function, a module is initialized only if it is the first to register all of its
+parameters: the tied LM head is skipped, as in eager construction where the tie replaces the
+head's own weight after its init.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+InitFn = Callable[[nn.Module], None]
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def default_init(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def load_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors file as read-only views of a private mmap (nothing read up front)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = meta["data_offsets"]
+        dtype = _ST_DTYPES[meta["dtype"]]
+        flat = torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=8 + n + lo) if hi > lo else \
+            torch.empty(0, dtype=torch.uint8)
+        out[name] = flat.view(dtype).reshape(meta["shape"])
+    return out
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """Write a .safetensors file (used by the tests and the bigger-than-RAM demo)."""
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
+def open_weights(path: str) -> Mapping[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        return load_safetensors(path)
+    sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"weights file {path} holds a {type(sd).__name__}, expected a state dict")
+    return sd
+
+
+def replace_meta_params(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[int, nn.Parameter]:
+    """Give every meta parameter a real (empty) replacement, in every module that registers it;
+    returns id(old parameter) -> its replacement."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
+    return new
+
+
+def materialize_buffers(model: nn.Module, device: torch.device, weights: Mapping[str, torch.Tensor] | None) -> None:
+    """Buffers stay whole on the device (they are small); meta ones are filled from `weights` or zeroed."""
+    for mname, module in model.named_modules():
+        for bname, b in module._buffers.items():
+            if b is None:
+                continue
+            full = f"{mname}.{bname}" if mname else bname
+            if weights is not None and full in weights:
+                module._buffers[bname] = weights[full].to(device=device, dtype=b.dtype, copy=True)
+            elif b.is_meta:
+                module._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+            else:
+                module._buffers[bname] = b.to(device)
+
+
+class WeightFiller:
+    """Fills a unit's full fp32 values, parameter by parameter, from the chosen source."""
+
+    def __init__(self, model: nn.Module, *, meta: bool, init_fn: InitFn | None,
+                 weights: Mapping[str, torch.Tensor] | None, source: str) -> None:
+        self.meta, self.init_fn, self.weights, self.source = meta, init_fn or default_init, weights, source
+        self.first_owner: dict[int, nn.Module] = {}
+        self.modules: list[nn.Module] = []
+        for module in model.modules():
+            direct = [p for p in module._parameters.values() if p is not None]
+            for p in direct:
+                self.first_owner.setdefault(id(p), module)
+            if direct and all(self.first_owner[id(p)] is module for p in direct):
+                self.modules.append(module)
+
+    def fill(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor], live: list[torch.Tensor | None]) -> None:
+        """views[i] (fp32, shaped) receives the initial value of named[i]; live[i] is its current data."""
+        if self.weights is not None:
+            for (name, _), view in zip(named, views):
+                view.copy_(self._lookup(name, view.shape))
+        elif not self.meta:
+            for view, value in zip(views, live):
+                view.copy_(value)
+        else:
+            self._run_init(named, views)
+
+    def _lookup(self, name: str, shape: torch.Size) -> torch.Tensor:
+        if name not in self.weights:
+            some = ", ".join(list(self.weights)[:3])
+            raise KeyError(f"weights file {self.source} has no tensor '{name}' (it has {len(self.weights)}: {some}, ...)")
+        t = self.weights[name]
+        if t.shape != shape:
+            raise ValueError(f"weights file {self.source}: '{name}' has shape {tuple(t.shape)}, the model expects {tuple(shape)}")
+        return t
+
+    def _run_init(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor]) -> None:
+        """Point the parameters at the fp32 views and call init_fn on the modules that own them."""
+        params = {id(p): p for _, p in named}
+        for (_, p), view in zip(named, views):
+            p.data = view
+        with torch.no_grad():
+            for module in self.modules:
+                direct = [p for p in module._parameters.values() if p is not None]
+                if all(id(p) in params for p in direct):
+                    self.init_fn(module)

@@ -1,0 +1,68 @@
+"""The memory report: per tier x state group, the ledger's ideal beside what the engine holds.
+
+Columns: ideal (ledger.ideal: per-rank bytes of ZeRO with nothing else), retained (bytes the
+engine's stores and compute copy hold now), peak (their high-water mark since initialize). Rows
+below name every other allocation: padding, staging buffers, the gradient bucket in flight;
+then the process-level figures (torch.cuda.max_memory_allocated on a
+GPU, the process RSS via psutil). With P a multiple of D x 16 the padding is zero and retained
+equals ideal for weights and optimizer state. Gradients differ by design: without clipping,
+fp16 or accumulation the overlapped step consumes each grad shard as it arrives (retained 0), and
+stage 1 keeps only its grad shard where the ledger counts every gradient.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from zero_offload import comm, ledger
+
+if TYPE_CHECKING:
+    from zero_offload.engine.engine import Engine
+
+GROUPS = ("weights", "gradients", "optimizer")
+TIERS = ("device", "cpu", "nvme")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:10.3f}"
+
+
+def memory_report(engine: "Engine") -> dict[str, Any]:
+    """The report as a dict; its 'table' entry is the printable form."""
+    rt = engine.runtime
+    cfg = engine.config
+    led = ledger.ideal(rt.trainable_numel(), comm.world_size(), cfg.stage, cfg.precision.dtype,
+                       {"params": cfg.tiers.params, "grads": cfg.tiers.grads, "optimizer": cfg.tiers.optimizer})
+    held = rt.retained()
+    rows = []
+    for group in GROUPS:
+        for tier in TIERS:
+            ideal = float(led.per_rank[group][tier])
+            now, peak = held.get((group, tier), (0, 0))
+            if ideal or now or peak:
+                rows.append({"group": group, "tier": tier, "ideal": ideal, "retained": now, "peak": peak,
+                             "difference": now - ideal})
+    other = rt.extras()
+    process = {"rss": psutil.Process().memory_info().rss}
+    if torch.cuda.is_available() and engine.device.type == "cuda":
+        process["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(engine.device)
+        process["cuda_memory_allocated"] = torch.cuda.memory_allocated(engine.device)
+    report = {"params": rt.trainable_numel(), "world": comm.world_size(), "stage": cfg.stage,
+              "precision": cfg.precision.dtype, "rows": rows, "other": other, "process": process}
+    report["table"] = _table(report)
+    return report
+
+
+def _table(r: dict[str, Any]) -> str:
+    head = (f"memory per rank (MiB): P={r['params']} D={r['world']} stage={r['stage']} {r['precision']}\n"
+            f"{'group':10} {'tier':7} {'ideal':>10} {'retained':>10} {'peak':>10} {'retained-ideal':>14}")
+    lines = [head]
+    for row in r["rows"]:
+        lines.append(f"{row['group']:10} {row['tier']:7} {_mib(row['ideal'])} {_mib(row['retained'])} "
+                     f"{_mib(row['peak'])} {_mib(row['difference']):>14}")
+    lines.append("not in the ledger:")
+    lines += [f"  {name:60} {_mib(n)}" for name, n in r["other"].items()]
+    lines += [f"  process {name:52} {_mib(n)}" for name, n in r["process"].items()]
+    return "\n".join(lines)

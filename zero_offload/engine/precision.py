@@ -1,0 +1,55 @@
+"""Loss scaling for fp16 and the global-norm clip coefficient.
+
+The dynamic loss scaler multiplies the loss by `scale` before backward so small fp16 gradients do
+not flush to zero; the step divides it back out (as part of `grad_scale`, never as a separate pass
+over the gradients). A step whose gradients hold an inf or NaN is skipped; after `hysteresis`
+such steps in a row the scale halves, and after `scale_window` clean steps it doubles.
+"""
+from __future__ import annotations
+
+import math
+
+from zero_offload.config import PrecisionConfig
+
+
+class LossScaler:
+    """Dynamic (or static) loss scale; a no-op scale of 1 unless precision is fp16."""
+
+    def __init__(self, cfg: PrecisionConfig) -> None:
+        self.enabled = cfg.dtype == "fp16"
+        self.dynamic = self.enabled and cfg.static_scale == 0.0
+        self._cfg = cfg
+        self.scale = (cfg.static_scale or 2.0 ** cfg.initial_scale_power) if self.enabled else 1.0
+        self.good_steps = 0
+        self.hysteresis_left = cfg.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome and move the scale."""
+        if not self.dynamic:
+            return
+        if overflow:
+            self.good_steps = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self._cfg.min_scale)
+                self.hysteresis_left = self._cfg.hysteresis
+            return
+        self.good_steps += 1
+        if self.good_steps % self._cfg.scale_window == 0:
+            self.scale *= 2.0
+            self.hysteresis_left = self._cfg.hysteresis
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "hysteresis_left": self.hysteresis_left}
+
+    def load_state_dict(self, sd: dict[str, float | int]) -> None:
+        self.scale = float(sd["scale"])
+        self.good_steps = int(sd["good_steps"])
+        self.hysteresis_left = int(sd["hysteresis_left"])
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1."""
+    if max_norm <= 0.0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,199 @@
+"""The traced schedule and the prefetcher: units arrive before they are needed, inside a hard budget.
+
+Schedule. A pass (one forward and its backward) uses units in some order. The first pass records
+it; later passes compare each use against the record. While they match, the prefetcher starts the
+local fetch (tier -> staging -> device) of the next `depth` units on a background thread, so it
+overlaps the compute of the current one. At the first mismatch (data-dependent control flow) the
+rest of the pass falls back to on-demand fetches and unused prefetches are dropped. At the end of
+the pass every rank checks, with `comm.all_agree`, that all ranks used the same units in the same
+order, and the pass's order becomes the record.
+
+Why only the local fetch is prefetched: the all-gather is collective, so it is issued on the main
+thread exactly when a unit is used, in execution order. Then ranks never disagree about which
+collective comes next, whatever the prefetcher guessed, so a wrong guess costs a wasted read,
+never a hang.
+
+Budget. `LiveBudget` accounts the bytes of every unit that is fetching or gathered (the full
+flat buffers). A prefetch starts only if it fits. An on-demand fetch that does not fit first drops
+prefetched units; if it still does not fit, it is an error naming the units that are held, so the
+budget is never exceeded, not even briefly.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from zero_offload import comm
+from zero_offload.engine.unit import Unit, UnitState
+
+
+def _check_same_unit(unit: Unit) -> None:
+    """Every rank must gather the same unit now; a tiny all-reduce checks it before the all-gather,
+    so ranks whose control flow diverged fail at once with a message instead of hanging in mismatched
+    collectives (all of them are in this same all-reduce, whatever unit each one wanted)."""
+    if comm.world_size() == 1:
+        return
+    ids = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=unit.device)
+    comm.all_reduce_(ids, "max")
+    low, high = -int(ids[1]), int(ids[0])
+    if low != high:
+        raise RuntimeError(f"stage 3: ranks want different units next (rank {comm.rank()} wants '{unit.name}', "
+                           f"indices range {low}..{high}); every rank must run the same modules in the same order")
+
+
+class LiveBudget:
+    """Accounted bytes of gathered (and fetching) units against a hard limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live = 0
+        self.peak = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.live + nbytes <= self.limit
+
+    def take(self, nbytes: int) -> None:
+        if not self.fits(nbytes):
+            raise AssertionError(f"live budget exceeded: {self.live} + {nbytes} > {self.limit}")
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def give(self, nbytes: int) -> None:
+        self.live -= nbytes
+        assert self.live >= 0, "live budget released more than it took"
+
+
+class Schedule:
+    """The recorded order of unit uses and this pass's progress against it."""
+
+    def __init__(self) -> None:
+        self.recorded: list[int] | None = None
+        self.current: list[int] = []
+        self.trusted = False
+        self.rerecorded = 0  # passes whose order differed from the record (statistics, tests)
+
+    def begin_pass(self) -> None:
+        self.current = []
+        self.trusted = self.recorded is not None
+
+    def note_use(self, index: int) -> bool:
+        """Record a use; True while the pass still follows the recorded order."""
+        pos = len(self.current)
+        self.current.append(index)
+        if self.trusted and (pos >= len(self.recorded) or self.recorded[pos] != index):
+            self.trusted = False
+        return self.trusted
+
+    def upcoming(self, depth: int) -> list[int]:
+        """The next `depth` recorded uses after the current position (empty when not trusted)."""
+        if not self.trusted:
+            return []
+        pos = len(self.current)
+        return self.recorded[pos:pos + depth]
+
+    def end_pass(self) -> None:
+        """All ranks must have used the same units in the same order; the order becomes the record."""
+        if not comm.all_agree(self.current):
+            raise RuntimeError(f"stage 3: ranks used different units this pass (rank {comm.rank()} used "
+                               f"{len(self.current)} units); every rank must run the same modules in the same order")
+        if self.recorded is not None and self.current != self.recorded:
+            self.rerecorded += 1
+        self.recorded = list(self.current)
+        self.trusted = False
+
+
+class Prefetcher:
+    """Brings units to GATHERED when used (on demand or from a prefetch) and releases them."""
+
+    def __init__(self, units: Sequence[Unit], budget: int, depth: int) -> None:
+        # prefetched: units fetched ahead (FETCHING) or kept after a use (GATHERED), not yet used again
+        self.units = list(units)
+        self.budget = LiveBudget(budget)
+        self.depth = depth
+        self.schedule = Schedule()
+        self.prefetched: list[Unit] = []
+        self.on_demand = 0  # fetches the step waited for in full (statistics)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-prefetch")
+
+    def begin_pass(self) -> None:
+        self.schedule.begin_pass()
+
+    def use(self, unit: Unit) -> None:
+        """`unit` is needed now: make it GATHERED, then start prefetching what comes next."""
+        _check_same_unit(unit)
+        following = self.schedule.note_use(unit.index)
+        if not following:
+            self._drop_prefetched(keep=unit)
+        if unit in self.prefetched:
+            self.prefetched.remove(unit)
+        elif unit.state is UnitState.SHARDED:
+            self._fetch_now(unit)
+        if following:
+            self._prefetch_ahead()
+        if unit.state is UnitState.FETCHING:
+            unit.finish_gather()
+
+    def release(self, unit: Unit) -> None:
+        """Done with `unit` for now; it stays gathered if the record says it is used again next."""
+        if unit.index in self.schedule.upcoming(self.depth):
+            self.prefetched.insert(0, unit)
+            return
+        unit.release()
+        self.budget.give(unit.nbytes)
+
+    def end_pass(self) -> None:
+        self._drop_prefetched()
+        self.schedule.end_pass()
+
+    def warm_start(self) -> None:
+        """Start fetching the next pass's first units now (their shards are final for that pass:
+        called after the step, or after a backward that does not end an accumulation cycle)."""
+        self.schedule.begin_pass()
+        self._prefetch_ahead()
+
+    def _fetch_now(self, unit: Unit) -> None:
+        for victim in reversed(list(self.prefetched)):  # the furthest-ahead prefetch goes first
+            if self.budget.fits(unit.nbytes):
+                break
+            self._abandon(victim)
+        if not self.budget.fits(unit.nbytes):
+            held = [u for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
+            raise RuntimeError(
+                f"stage3.live_budget_bytes = {self.budget.limit} is too small: unit '{unit.name}' needs "
+                f"{unit.nbytes} bytes while {self.budget.live} bytes are held by units "
+                f"{[u.name for u in held]}; raise the budget or use smaller units")
+        self.budget.take(unit.nbytes)
+        self.on_demand += 1
+        unit.begin_fetch()
+        unit.fetch_local()
+
+    def _prefetch_ahead(self) -> None:
+        for index in self.schedule.upcoming(self.depth):
+            u = self.units[index]
+            if u.resident or u.state is not UnitState.SHARDED:
+                continue
+            if not self.budget.fits(u.nbytes):
+                break  # nearest first: never skip ahead past a unit that does not fit yet
+            self.budget.take(u.nbytes)
+            u.begin_fetch()
+            u.set_pending(self._pool.submit(u.fetch_local).result)
+            self.prefetched.append(u)
+
+    def _abandon(self, unit: Unit) -> None:
+        self.prefetched.remove(unit)
+        if unit.state is UnitState.GATHERED:
+            unit.release()
+        else:
+            unit.abandon()
+        self.budget.give(unit.nbytes)
+
+    def _drop_prefetched(self, keep: Unit | None = None) -> None:
+        for u in list(self.prefetched):
+            if u is not keep:
+                self._abandon(u)
+
+    def close(self) -> None:
+        self._drop_prefetched()
+        self._pool.shutdown(wait=True)

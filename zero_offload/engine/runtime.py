@@ -1,0 +1,130 @@
+"""Stages 0-2 behind the runtime interface the Engine drives (stage 3 provides the same methods).
+
+The runtime owns what differs between stages: how gradients become grad shards (grads.py), the
+ShardOptimizer those shards go to, and how updated shards become the compute copy again (stage
+0: in place; stage 1-2: all-gather of the updated shards). It also describes its shards for
+checkpoints (`shard_map`) so checkpoint.py never looks inside a stage.
+
+Runtime interface used by engine.py and checkpoint.py:
+  begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
+  shard_map() -> {key: [(param_name, param_offset, shard_offset, numel), ...]} for this rank
+  param_shapes() -> {param_name: shape}; replicated: bool; refresh_params() (compute copy from masters)
+  retained() -> {(group, tier): bytes}; extras() -> {name: bytes}; trainable_numel() -> int
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_offload import comm
+from zero_offload.config import Config
+from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
+from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.store import make_store
+
+class BucketRuntime:
+    """ZeRO stages 0-2: full compute copy on every rank, optimizer state (and grads) partitioned."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.world, self.rank = comm.world_size(), comm.rank()
+        self.dtype = DTYPES[config.precision.dtype]
+        self.replicated = config.stage == 0
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buckets = make_buckets(named[::-1], config.bucket_bytes, 1 if self.replicated else self.world)
+        opt_bytes = sum(b.layout.shard_numel for b in self.buckets) * 4
+        self.shard_optimizer = ShardOptimizer(config, device, self._on_updated,
+                                              capacity_bytes=opt_bytes * 4 + (1 << 20))
+        self.owner = 0 if self.replicated else self.rank
+        for b in self.buckets:
+            master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=device)
+            b.layout.shard_from([p.detach() for p in b.params], self.owner, master)
+            self.shard_optimizer.add_shard(b.key, master)
+        self.accum_store = make_store(config.tiers.grads, "gradient-accumulation", config, device=device,
+                                      rank=self.rank, capacity_bytes=opt_bytes + (1 << 20))
+        scale = 1.0 / (self.world * config.gradient_accumulation_steps)
+        self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
+                                   accumulate_shard=config.stage == 2, accum_store=self.accum_store,
+                                   dtype=self.dtype, scale=scale, sink=self._sink)
+        self._updated: dict[str, torch.Tensor] = {}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shard_optimizer.optimizer
+
+    def begin_forward(self, boundary: bool) -> None:
+        if boundary:
+            self.shard_optimizer.prefetch()
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.reducer.begin(boundary)
+
+    def end_backward(self) -> None:
+        self.reducer.end()
+
+    def _sink(self, bucket: Bucket, shard: torch.Tensor) -> None:
+        self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)
+
+    def _on_updated(self, key: str, shard: torch.Tensor) -> None:
+        # From pinned host memory this upload is asynchronous on the current stream, ordered
+        # before the next forward; the host buffer is not reused before then (see step.py).
+        self._updated[key] = shard.to(self.device, self.dtype, non_blocking=True, copy=True)
+
+    def step(self) -> bool:
+        """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
+        applied = self.shard_optimizer.finish_step()
+        for b in self.buckets:
+            shard = self._updated.pop(b.key, None)
+            if shard is not None:
+                self._install(b, shard)
+        return applied
+
+    def _install(self, b: Bucket, shard: torch.Tensor) -> None:
+        """Compute copy of bucket `b` from this rank's updated shard (all-gathered at stage 1-2)."""
+        full = shard
+        if not self.replicated:
+            full = torch.empty(b.layout.padded_numel, dtype=self.dtype, device=self.device)
+            comm.all_gather_(full, shard)
+        with torch.no_grad():
+            for p, v in zip(b.params, b.layout.views(full)):
+                p.copy_(v)
+
+    def refresh_params(self) -> None:
+        """Rebuild the compute copy from the master shards (after a checkpoint load)."""
+        for b in self.buckets:
+            self._install(b, self.shard_optimizer.master(b.key).to(self.device, self.dtype))
+
+    def shard_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
+        return {b.key: [(b.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel)
+                        for pc in b.layout.pieces(self.owner)] for b in self.buckets}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for b in self.buckets for n, p in zip(b.names, b.params)}
+
+    def trainable_numel(self) -> int:
+        return sum(p.numel() for b in self.buckets for p in b.params)
+
+    def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(bytes held now, high-water mark) of the engine's own allocations, by (group, tier)."""
+        weights = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
+        so = self.shard_optimizer
+        grads = [so.grad_store, self.accum_store]
+        return {("weights", self.config.tiers.params): (weights, weights),
+                ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
+                ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
+                                                         sum(s.peak_bytes() for s in grads))}
+
+    def extras(self) -> dict[str, int]:
+        """Bytes outside the ledger's groups, named (see memory.py)."""
+        owned = sum(n for pcs in self.shard_map().values() for (_, _, _, n) in pcs)
+        shard_elems = sum(b.layout.shard_numel for b in self.buckets)
+        largest = max(b.layout.padded_numel for b in self.buckets) * torch.empty((), dtype=self.dtype).element_size()
+        out = {"padding (optimizer state)": (shard_elems - owned) * 12,
+               "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
+               "gradient bucket in flight (largest)": largest}
+        return out
+
+    def close(self) -> None:
+        self.reducer.remove()
+        self.shard_optimizer.close()
+        self.accum_store.close()

@@ -1,0 +1,266 @@
+"""This rank's optimizer state, one shard per key, on the optimizer tier, and the step over it.
+
+Stage 0-2 (buckets) and stage 3 (units) both hand their reduced gradient shards to one
+ShardOptimizer, which owns the fp32 master shard and the moments in a store of the optimizer tier
+and runs the step pipeline (step.py) over them.
+
+Exactness with overlap. Stepping a shard while backward still runs is exact only when its update
+does not depend on gradients that have not arrived yet. Plain Adam/AdamW qualifies: grad_ready
+submits the shard at once (eager mode) and nothing is buffered. Global-norm clipping and the fp16
+overflow check need every gradient first. We keep exactness by deferring, not speculating:
+grad_ready keeps the shard's gradient in the grads tier and adds its squared norm to a running
+sum as it arrives; finish_step all-reduces that one scalar, derives the overflow flag and the clip
+coefficient, and only then submits the shards with grad_scale = coefficient / loss scale (the
+unscale and the clip fused into the Adam pass, no extra sweep over the gradients).
+Cost: the CPU Adam no longer overlaps backward (the nvme prefetch of the first shards still does),
+and the gradient shards are held until the step (P/D x gradient bytes on the grads tier, as the
+ledger counts for stage 2). Speculating and rolling back would keep the overlap but needs a second
+copy of the optimizer state (12 B/param) or an inexact inverse update; we chose the deferral.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from zero_offload import comm
+from zero_offload.config import Config
+from zero_offload.engine.precision import LossScaler, clip_coefficient
+from zero_offload.engine.step import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
+from zero_offload.store import make_store
+from zero_offload.store.resident import copy_async
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class HyperParams(torch.optim.Optimizer):
+    """The `engine.optimizer`: param_groups that torch LR schedulers drive; it owns no tensors.
+
+    `step()` only records that an update happened (schedulers check it); the update itself is
+    ShardOptimizer.finish_step.
+    """
+
+    def __init__(self, config: Config) -> None:
+        o = config.optimizer
+        super().__init__([{"params": []}], dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay))
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # noqa: ARG002
+        return None
+
+
+class ShardOptimizer:
+    """Owns this rank's optimizer state (fp32 master shard + m + v) per key, on the optimizer tier, and steps it."""
+
+    def __init__(self, config: Config, device: torch.device,
+                 on_updated: Callable[[str, torch.Tensor], None] | None = None, *,
+                 capacity_bytes: int = 0, replicated: bool | None = None) -> None:
+        """`capacity_bytes` sizes NVMe files (optimizer state plus held gradients); `replicated`
+        (default: stage 0) says every rank holds the same shards, so norms are not summed."""
+        self.config = config
+        self.device = torch.device(device)
+        self.on_updated = on_updated
+        self.compute_dtype = DTYPES[config.precision.dtype]
+        self.replicated = config.stage == 0 if replicated is None else replicated
+        self.optimizer = HyperParams(config)
+        self.scaler = LossScaler(config.precision)
+        rank = comm.rank()
+        cap = capacity_bytes or (1 << 30)
+        self.store = make_store(config.tiers.optimizer, "optimizer", config, device=self.device, rank=rank,
+                                capacity_bytes=cap)
+        self.grad_store = make_store(config.tiers.grads, "gradients", config, device=self.device, rank=rank,
+                                     capacity_bytes=cap)
+        kernel = DeviceAdam() if config.tiers.optimizer == "device" else HostAdam(config.optimizer.threads)
+        self.kernel_device = self.device if not kernel.host else torch.device("cpu")
+        self.access = StateAccess(self.store, config.pinned_budget_bytes)
+        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._predict_next)
+        self.numel: dict[str, int] = {}
+        self.decay: dict[str, bool] = {}
+        self.steps: dict[str, int] = {}
+        self.order: list[str] = []  # gradient-arrival order of the last step (predicts prefetches)
+        self._arrived: list[str] = []
+        self._held: set[str] = set()
+        self._sq_norm = 0.0
+        self.eager = config.overlap_step and config.clip_grad_norm == 0.0 and not self.scaler.enabled
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+
+    # ---- registration ----
+    def add_shard(self, key: str, master: torch.Tensor, *, weight_decay: bool = True) -> None:
+        if key in self.numel:
+            raise KeyError(f"ShardOptimizer.add_shard: key {key!r} was already added")
+        if master.dim() != 1:
+            raise ValueError(f"ShardOptimizer.add_shard({key!r}): master must be 1-D, got shape {tuple(master.shape)}")
+        n = master.numel()
+        for part in PARTS:
+            self.store.allocate(f"{key}.{part}", n, torch.float32)
+        self.store.write(f"{key}.master", master.detach().to(torch.float32)).wait()
+        zeros = torch.zeros(n, dtype=torch.float32)
+        for part in ("m", "v"):
+            self.store.write(f"{key}.{part}", zeros).wait()
+        self.numel[key], self.decay[key], self.steps[key] = n, weight_decay, 0
+        self.order.append(key)
+        self.access.max_numel = max(self.access.max_numel, n)
+        self.access.shards += 1
+
+    # ---- the step ----
+    def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False) -> None:
+        """This rank's reduced gradient shard for `key`. `owned=True` hands the tensor over (the
+        caller will not touch it again), which saves a copy on the CPU."""
+        if key not in self.numel:
+            raise KeyError(f"ShardOptimizer.grad_ready: unknown key {key!r} (call add_shard first)")
+        if grad.numel() != self.numel[key]:
+            raise ValueError(f"ShardOptimizer.grad_ready({key!r}): gradient has {grad.numel()} elements, "
+                             f"shard has {self.numel[key]}")
+        if key in self._held or key in self._arrived:
+            raise RuntimeError(f"ShardOptimizer.grad_ready({key!r}) called twice in one step")
+        grad, ready = self._to_kernel(grad.reshape(-1), owned)
+        self._arrived.append(key)
+        if self.eager:
+            self.pipeline.submit(Job(key, self.numel[key], grad, self._scalars(key, 1.0), ready))
+            return
+        if ready is not None:
+            ready.wait()
+        self._sq_norm += float(grad.float().pow(2).sum())
+        if key not in self.grad_store.keys():
+            self.grad_store.allocate(key, grad.numel(), grad.dtype)
+        self.grad_store.write(key, grad).wait()
+        self._held.add(key)
+
+    def finish_step(self) -> bool:
+        """Complete the step of every shard that got a gradient; False if it was skipped (overflow)."""
+        if not self.eager:
+            if not self._submit_held():
+                self._end_step()
+                return False
+        for job in self.pipeline.drain():
+            self.steps[job.key] = job.scalars.step
+            if self.on_updated is not None:
+                self.on_updated(job.key, job.out)
+        self.optimizer.step()
+        self._end_step()
+        return True
+
+    def _submit_held(self) -> bool:
+        """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""
+        total = torch.tensor([self._sq_norm], dtype=torch.float64)
+        if not self.replicated:
+            comm.all_reduce_(total)
+        scale = self.scaler.scale
+        norm = math.sqrt(float(total[0])) / scale if math.isfinite(float(total[0])) else math.inf
+        self.last_grad_norm = norm
+        overflow = self.scaler.enabled and not math.isfinite(norm)
+        self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            return False
+        factor = clip_coefficient(norm, self.config.clip_grad_norm) / scale
+        for key in self._arrived:
+            self.pipeline.submit(Job(key, self.numel[key], self._held_loader(key), self._scalars(key, factor)))
+        return True
+
+    def _held_loader(self, key: str) -> Callable[[], torch.Tensor]:
+        store, numel = self.grad_store, self.numel[key]
+
+        def load() -> torch.Tensor:
+            view = store.view(key)
+            if view is not None:
+                return view
+            buf = torch.empty(numel, dtype=self.compute_dtype)
+            return store.read(key, buf).wait()
+        return load
+
+    def _end_step(self) -> None:
+        if self._arrived:
+            self.order = list(self._arrived) + [k for k in self.order if k not in self._arrived]
+        self._arrived, self._held, self._sq_norm = [], set(), 0.0
+
+    def zero_grads(self) -> None:
+        """Forget gradients handed in since the last step (their buffers stay for reuse)."""
+        if self.eager and self._arrived:
+            raise RuntimeError("ShardOptimizer.zero_grads: eager shards were already stepped; call finish_step")
+        self._arrived, self._held, self._sq_norm = [], set(), 0.0
+
+    def _scalars(self, key: str, grad_scale: float) -> Scalars:
+        g = self.optimizer.param_groups[0]
+        b1, b2 = g["betas"]
+        wd = float(g["weight_decay"]) if self.decay[key] else 0.0
+        return Scalars(self.steps[key] + 1, float(g["lr"]), b1, b2, float(g["eps"]), wd,
+                       self.config.optimizer.name == "adamw", grad_scale)
+
+    def _to_kernel(self, grad: torch.Tensor, owned: bool) -> tuple[torch.Tensor, Any]:
+        """The gradient where the kernel runs: device→pinned host on a side stream, or kept."""
+        if grad.device == self.kernel_device:
+            return (grad if owned else grad.clone()), None
+        dst = torch.empty(grad.numel(), dtype=grad.dtype, device=self.kernel_device,
+                          pin_memory=self.kernel_device.type == "cpu" and torch.cuda.is_available())
+        return dst, copy_async(dst, grad)
+
+    def _predict_next(self, key: str | None, count: int) -> list[tuple[str, int]]:
+        """The `count` shards expected after `key` (None: the first ones), from the last step's order."""
+        start = 0 if key is None else (self.order.index(key) + 1 if key in self.order else len(self.order))
+        return [(k, self.numel[k]) for k in self.order[start:start + count]]
+
+    def prefetch(self) -> None:
+        """Start reading the first shards' state for the coming step (the engine calls it at the
+        forward of a boundary micro-batch, so NVMe reads overlap forward too)."""
+        self.pipeline.prefetch_first()
+
+    # ---- state ----
+    def master(self, key: str) -> torch.Tensor:
+        """A fp32 copy of `key`'s master shard (on the CPU)."""
+        return self.read_part(key, "master")
+
+    def read_part(self, key: str, part: str) -> torch.Tensor:
+        """A CPU copy of one part ('master', 'm', 'v') of a shard, read through its store."""
+        self.pipeline.quiesce()
+        out = torch.empty(self.numel[key], dtype=torch.float32)
+        return self.store.read(f"{key}.{part}", out).wait()
+
+    def write_part(self, key: str, part: str, value: torch.Tensor) -> None:
+        self.pipeline.quiesce()
+        self.store.write(f"{key}.{part}", value.detach().to(torch.float32).reshape(-1)).wait()
+
+    def state_dict(self) -> dict:
+        return {**self.state_dict_scalars(), "state": {k: {p: self.read_part(k, p) for p in PARTS} for k in self.numel}}
+
+    def state_dict_scalars(self) -> dict:
+        """Everything but the tensors (JSON-ready): step counts, hyperparameters, loss scaler."""
+        return {"steps": dict(self.steps), "param_groups": self._groups(), "scaler": self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        missing = set(self.numel) - set(sd["state"])
+        if missing:
+            raise KeyError(f"ShardOptimizer.load_state_dict: no state for shards {sorted(missing)}")
+        for key, parts in sd["state"].items():
+            for part in PARTS:
+                self.write_part(key, part, parts[part])
+        self.load_scalars(sd)
+
+    def load_scalars(self, sd: dict, *, same_layout: bool = True) -> None:
+        """Everything but the tensors. With another layout (world size, buckets) the shard keys
+        differ; every shard then takes the largest saved step count (they are equal in practice)."""
+        if same_layout and set(sd["steps"]) == set(self.steps):
+            self.steps.update({k: int(v) for k, v in sd["steps"].items()})
+        else:
+            top = max((int(v) for v in sd["steps"].values()), default=0)
+            self.steps = {k: top for k in self.steps}
+        for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
+        self.scaler.load_state_dict(sd["scaler"])
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
+
+    def _groups(self) -> list[dict]:
+        return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                for g in self.optimizer.param_groups]
+
+    def bytes_retained(self) -> dict[str, int]:
+        return {f"optimizer/{self.store.tier}": self.store.bytes_retained(),
+                f"gradients/{self.grad_store.tier}": self.grad_store.bytes_retained(),
+                "staging": sum(sum(b.numel() * b.element_size() for b in s.buffers) for s in self.access._sets)}
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.store.close()
+        self.grad_store.close()

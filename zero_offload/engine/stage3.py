@@ -1,0 +1,395 @@
+"""ZeRO stage 3 (ZeRO-Infinity): parameters partitioned, gathered unit by unit, on any tier.
+
+Stage3Runtime provides the runtime interface the Engine drives (the same as runtime.BucketRuntime):
+    Stage3Runtime(model, config, device, *, init_fn=None, weights=None)
+    begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
+    shard_map() / param_shapes() / replicated / refresh_params() / retained() / extras()
+    trainable_numel() / close()
+plus, for stage 3 only: consolidated_state_dict() (collective; full fp32 weights by name),
+stats() (live budget, peak gathered bytes, fetch counts) and `units`.
+The Engine calls the model itself; forward hooks do the rest. A pass starts at the model's
+forward pre-hook and ends at end_backward (or at the next forward, for a forward-only pass).
+
+One pass: forward acquires each unit around its root's forward (prefetch.Prefetcher fetches and
+all-gathers it), backward gathers it again when the gradient of its outputs arrives, and when its
+trainable parameters have all accumulated their gradients it reduce-scatters them (scaled by
+1/(D x accumulation steps)), hands this rank's grad shard to the ShardOptimizer and releases the
+unit. end_backward reduces, in unit order, every unit that did not finish (parameters that got no
+gradient count as zero). step() runs the optimizer; its on_updated callback writes each new
+compute-copy shard to the params tier, then the prefetcher starts fetching the next pass's first
+units. Units smaller than stage3.resident_bytes stay gathered on the device for the whole run
+(outside the live budget); after each step they take their new shard in place and all-gather.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zero_offload import comm
+from zero_offload.config import Config, ConfigError
+from zero_offload.engine import hooks, materialize
+from zero_offload.engine.prefetch import Prefetcher
+from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
+from zero_offload.engine.unit_policy import Plan, plan_units
+from zero_offload.store import make_store
+from zero_offload.trace import tracer
+
+BLOCK = 4096
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Stage3Runtime:
+    """Stage 3 behind the Engine's runtime interface; see the module docstring."""
+
+    replicated = False
+
+    def __init__(self, model: nn.Module, config: Config, device: torch.device, *,
+                 init_fn: materialize.InitFn | None = None, weights: str | None = None) -> None:
+        self.model, self.config, self.device = model, config, torch.device(device)
+        self.world, self.rank = comm.world_size(), comm.rank()
+        self.dtype = DTYPES[config.precision.dtype]
+        self.scale = 1.0 / (self.world * config.gradient_accumulation_steps)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        plan = plan_units(model, config.stage3, elem)
+        meta = any(p.is_meta for p in model.parameters())
+        shapes = {id(p): p.shape for u in plan.units for _, p in u.params}
+        if meta:
+            new = materialize.replace_meta_params(model, self.dtype, self.device)
+            for up in plan.units:
+                up.params = [(n, new.get(id(p), p)) for n, p in up.params]
+            shapes = {(id(new[k]) if k in new else k): s for k, s in shapes.items()}
+        self._make_units(plan, elem, shapes)
+        self._check_budget(plan)
+        opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
+        self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated,
+                                              capacity_bytes=opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20))
+        source = materialize.open_weights(weights) if weights else None
+        filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights))
+        for u in self.units:
+            self._materialize(u, filler)
+        materialize.materialize_buffers(model, self.device, source)
+        for b in model.buffers():
+            comm.broadcast_(b.data, 0)
+        del source
+        self.prefetcher = Prefetcher(self.units, config.stage3.live_budget_bytes, config.stage3.prefetch_depth)
+        self._gather_resident()
+        self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
+        self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
+        self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
+        self._accum = make_store(config.tiers.grads, "gradient-accumulation", config, device=self.device,
+                                 rank=self.rank, capacity_bytes=(1 << 20))  # NVMe files grow when accumulation needs them
+        self._has_accum: set[str] = set()
+        self.phase = Phase.IDLE
+        self.boundary = True
+        self._fresh: dict[str, torch.Tensor] = {}
+        self._reset_pass()
+
+    # ---- construction ----
+    def _make_units(self, plan: Plan, elem: int, shapes: dict[int, torch.Size]) -> None:
+        numel = sum(s.numel() for s in shapes.values())
+        capacity = (numel // self.world + 64 * len(plan.units)) * elem + 2 * len(plan.units) * BLOCK + (1 << 20)
+        self.params_store = make_store(self.config.tiers.params, "params", self.config, device=self.device,
+                                       rank=self.rank, capacity_bytes=capacity)
+        self.staging = StagingPool(self.params_store)
+        self.units: list[Unit] = []
+        for i, up in enumerate(plan.units):
+            named = [(n, p, shapes[id(p)]) for n, p in up.params]
+            self.units.append(Unit(i, up.name or "<root>", named, dtype=self.dtype, device=self.device,
+                                   store=self.params_store, staging=self.staging))
+        for u in self.units:
+            u.resident = u.nbytes < self.config.stage3.resident_bytes
+        self.by_key = {g.key: (u, g) for u in self.units for g in u.groups}
+
+    def _check_budget(self, plan: Plan) -> None:
+        """The largest set of units that must be gathered at once has to fit the live budget."""
+        budget = self.config.stage3.live_budget_bytes
+        for module, chain in plan.chains.items():
+            units = [self.units[i] for i in chain if not self.units[i].resident]
+            need = sum(u.nbytes for u in units)
+            if need > budget and units:
+                big = max(units, key=lambda u: u.nbytes)
+                others = [u.name for u in units if u is not big]
+                extra = f", {need} bytes with the units {others} gathered around it" if others else ""
+                raise ConfigError(f"stage3.live_budget_bytes = {budget} is smaller than unit '{big.name}' "
+                                  f"({big.nbytes} bytes gathered{extra}); raise the budget or use smaller units")
+
+    def _materialize(self, u: Unit, filler: materialize.WeightFiller) -> None:
+        """Full fp32 values of one unit -> this rank's master shard and compute-copy shard."""
+        for g in u.groups:
+            full = torch.zeros(g.layout.padded_numel, dtype=torch.float32)
+            live = [p.detach() for p in g.params]
+            filler.fill(list(zip(g.names, g.params)), g.layout.views(full), live)
+            if filler.weights is None and self.world > 1:  # a random init may differ by rank: rank 0's wins
+                full = comm.broadcast_(full.to(self.device), 0).cpu()  # on the device: NCCL needs it there
+            lo, hi = g.layout.shard_range(self.rank)
+            shard = full if self.world == 1 else full[lo:hi].clone()
+            del full, live
+            if g.trainable:
+                self.shard_optimizer.add_shard(g.key, shard)
+            u.write_shard(g.key, shard)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in u.params():
+            p.data = empty
+
+    def _gather_resident(self) -> None:
+        for u in self.units:
+            if u.resident:
+                u.begin_fetch()
+                u.fetch_local()
+                u.finish_gather()
+
+    # ---- hook target ----
+    def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
+        return self.phase is not Phase.BACKWARD and any(u.trainable is None for u in units)
+
+    def forward_enter(self, module: nn.Module, units: Sequence[Unit], counted: bool) -> None:
+        self._segment_end()
+        if module is self.model and self.phase is not Phase.BACKWARD:
+            self._begin_pass()
+        for u in units:
+            if counted and u.trainable is None:
+                self._exits[u.index] = self._exits.get(u.index, 0) + 1
+            if self.phase is Phase.BACKWARD:  # checkpoint recomputation
+                if u.index in self._held:
+                    continue  # gathered for backward already; the recomputation may stop early and never exit
+                self._recomputing.add(u.index)
+            self._acquire(u)
+        self._segment_start()
+
+    def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None:
+        self._segment_end()
+        for u in units:
+            if self.phase is Phase.BACKWARD:
+                if u.index not in self._recomputing:
+                    continue
+                self._recomputing.discard(u.index)
+            self._unacquire(u)
+        if module is not self.model or self.phase is Phase.BACKWARD:
+            self._segment_start()
+
+    def backward_enter(self, units: Sequence[Unit]) -> None:
+        self._segment_end()
+        self.phase = Phase.BACKWARD
+        for u in units:
+            if u.index not in self._held and u.index not in self._done:
+                self._held.add(u.index)
+                self._acquire(u)
+        self._segment_start()
+
+    def inputs_grad(self, units: Sequence[Unit]) -> None:
+        self._segment_end()
+        for u in units:
+            left = self._exits.get(u.index, 0)
+            if u.trainable is None and left > 0:
+                self._exits[u.index] = left - 1
+                if left == 1:
+                    self._finish_unit(u)
+        self._segment_start()
+
+    def param_grad(self, unit: Unit) -> None:
+        self._segment_end()
+        self._reported[unit.index] = self._reported.get(unit.index, 0) + 1
+        if self._reported[unit.index] == len(unit.trainable.params):
+            self._finish_unit(unit)
+        self._segment_start()
+
+    # ---- acquire / release ----
+    def _acquire(self, u: Unit) -> None:
+        if u.resident:
+            return
+        self._refs[u.index] = self._refs.get(u.index, 0) + 1
+        if self._refs[u.index] == 1:
+            self.prefetcher.use(u)
+
+    def _unacquire(self, u: Unit) -> None:
+        if u.resident:
+            return
+        self._refs[u.index] -= 1
+        if self._refs[u.index] == 0:
+            self.prefetcher.release(u)
+
+    def _finish_unit(self, u: Unit) -> None:
+        """The unit's backward is done: reduce its gradients and let it go."""
+        if u.index in self._done:
+            return
+        self._done.add(u.index)
+        shard = u.reduce_grads(self.scale)
+        if shard is not None:
+            self._deliver(u.trainable.key, shard)
+        if u.index in self._held:
+            self._held.discard(u.index)
+            self._unacquire(u)
+
+    def _deliver(self, key: str, shard: torch.Tensor) -> None:
+        """Grad shard -> the optimizer on the boundary, else into the accumulation buffer."""
+        if key in self._has_accum:
+            view = self._accum.view(key)
+            prev = view if view is not None else self._accum.read(key, torch.empty_like(shard)).wait()
+            shard = shard + prev.to(shard.device)
+        if self.boundary:
+            self._has_accum.discard(key)
+            self.shard_optimizer.grad_ready(key, shard, owned=True)
+            return
+        if key not in self._accum.keys():
+            self._accum.allocate(key, shard.numel(), shard.dtype)
+        self._accum.write(key, shard).wait()
+        self._has_accum.add(key)
+
+    # ---- passes ----
+    def _reset_pass(self) -> None:
+        self._refs: dict[int, int] = {}
+        self._held: set[int] = set()
+        self._done: set[int] = set()
+        self._reported: dict[int, int] = {}
+        self._exits: dict[int, int] = {}
+        self._recomputing: set[int] = set()
+        self._seg: int | None = None
+
+    def _begin_pass(self) -> None:
+        if self.phase is Phase.FORWARD:  # the previous pass had no backward (evaluation)
+            self.prefetcher.end_pass()
+        self._reset_pass()
+        self.prefetcher.begin_pass()
+        self.phase = Phase.FORWARD
+
+    def begin_forward(self, boundary: bool) -> None:
+        """Called by the Engine before a training forward: on the boundary the optimizer may start
+        reading its first shards' state now, under the forward."""
+        if boundary:
+            self.shard_optimizer.prefetch()
+
+    def begin_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+
+    def end_backward(self) -> None:
+        """After loss.backward(): reduce every unit that did not finish, in unit order; end the pass."""
+        self._segment_end()
+        for u in self.units:
+            if u.index not in self._done and (u.trainable is not None or u.index in self._held):
+                self._finish_unit(u)
+        leaked = [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
+        if leaked:
+            raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
+        self.prefetcher.end_pass()
+        self.phase = Phase.IDLE
+        if not self.boundary:  # no step follows: the shards the next pass reads are final already
+            self.prefetcher.warm_start()
+        self.boundary = True
+
+    def _segment_start(self) -> None:
+        """Model compute runs between two hooks: the time from a hook's end to the next hook's start."""
+        if tracer().enabled and self.phase is not Phase.IDLE:
+            self._seg = time.perf_counter_ns()
+
+    def _segment_end(self) -> None:
+        if self._seg is not None:
+            tracer().add(self.phase.value, "compute", self._seg, time.perf_counter_ns())
+            self._seg = None
+
+    # ---- step ----
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shard_optimizer.optimizer
+
+    def step(self) -> bool:
+        with tracer().span("optimizer step", "optimizer"):
+            applied = self.shard_optimizer.finish_step()
+        if applied:
+            self._regather_resident()
+        self.prefetcher.warm_start()
+        return applied
+
+    def _on_updated(self, key: str, shard: torch.Tensor) -> None:
+        unit, _ = self.by_key[key]
+        with tracer().span(f"write {unit.name}", "transfer"):
+            unit.write_shard(key, shard)
+        if unit.resident:  # it stays gathered: install the new values directly, no read back
+            self._fresh[key] = shard
+
+    def _regather_resident(self) -> None:
+        """Resident units after a step: this rank's new shard into its slot, then all-gather."""
+        fresh, self._fresh = self._fresh, {}
+        for u in self.units:
+            if u.resident:
+                u.install_shards({g.key: fresh.get(g.key) for g in u.groups})
+
+    def refresh_params(self) -> None:
+        """Compute-copy shards from the master shards (after a checkpoint load)."""
+        for key, (unit, g) in self.by_key.items():
+            if g.trainable:
+                unit.write_shard(key, self.shard_optimizer.master(key))
+        self._fresh = {}
+        self._regather_resident()
+
+    # ---- descriptions for checkpoints and the memory report ----
+    def _trainable(self) -> list[tuple[Unit, FlatGroup]]:
+        return [(u, u.trainable) for u in self.units if u.trainable is not None]
+
+    def shard_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
+        return {g.key: [(g.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel)
+                        for pc in g.layout.pieces(self.rank)] for _, g in self._trainable()}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(s) for _, g in self._trainable() for n, s in zip(g.names, g.layout.shapes)}
+
+    def trainable_numel(self) -> int:
+        return sum(g.layout.numel for _, g in self._trainable())
+
+    def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(bytes held now, high-water mark) by (group, tier): the params tier holds the compute-copy
+        shards; gathered units are reported by extras()."""
+        so, ps = self.shard_optimizer, self.params_store
+        grads = [so.grad_store, self._accum]
+        return {("weights", self.config.tiers.params): (ps.bytes_retained(), ps.peak_bytes()),
+                ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
+                ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
+                                                         sum(s.peak_bytes() for s in grads))}
+
+    def extras(self) -> dict[str, int]:
+        s = self.stats()
+        return {"gathered units (peak, stage 3)": s["peak_gathered_bytes"],
+                "live budget (stage 3)": s["live_budget_bytes"],
+                "resident units (stage 3)": s["resident_bytes"],
+                "staging buffers (params)": self.staging.nbytes,
+                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0)}
+
+    def stats(self) -> dict[str, int]:
+        p = self.prefetcher
+        return {"live_budget_bytes": p.budget.limit, "gathered_bytes": p.budget.live,
+                "peak_gathered_bytes": p.budget.peak, "on_demand_fetches": p.on_demand,
+                "rerecorded_passes": p.schedule.rerecorded, "units": len(self.units),
+                "resident_bytes": sum(u.nbytes for u in self.units if u.resident)}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict with full values on every rank: fp32 masters for trainable
+        parameters, the compute copy for frozen ones, buffers as they are. Collective."""
+        by_id: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            for g in u.groups:
+                shard = self.shard_optimizer.master(g.key) if g.trainable else u.read_shard(g.key).float()
+                full = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=self.device)
+                comm.all_gather_(full, shard.to(self.device))
+                full = full.cpu()
+                for p, view in zip(g.params, g.layout.views(full)):
+                    by_id[id(p)] = view.clone()
+        return {k: by_id[id(v)] if id(v) in by_id else v.detach().cpu().clone()
+                for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self.prefetcher.close()
+        self.shard_optimizer.close()
+        self._accum.close()
+        self.params_store.close()
+

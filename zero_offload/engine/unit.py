@@ -1,0 +1,256 @@
+"""One unit: parameters gathered and released together, and the transfers that move its shard.
+
+A unit keeps one flat buffer per parameter group (trainable and frozen parameters go in separate
+groups, so the optimizer never sees a frozen parameter). Between uses only this rank's shard of
+the compute copy exists, on the params tier, in a Store under the group's key.
+
+Gathering and releasing. Each group's full flat buffer is ONE tensor for the unit's lifetime; the
+unit frees its bytes by resizing that tensor's storage to 0 and re-allocates them by resizing it
+back before a gather. While gathered, every parameter's `.data` is a view of the flat buffer;
+while sharded it is an empty tensor (so `model.parameters()` is safe to touch, it just has 0
+elements). Why this pair of techniques: autograd saves some parameters as views made in forward
+(`weight.t()` for a Linear); such a view keeps pointing at the flat buffer's storage, so when the
+unit is gathered again for backward (same storage, re-filled) the saved view reads the right
+values, and while sharded that storage holds no bytes. Swapping `.data` keeps the nn.Parameter
+objects themselves, so tied weights stay one object and optimizers/hooks keyed by parameter work.
+
+State machine (owned here, transitions assert the state they leave):
+    SHARDED --begin_fetch--> FETCHING --finish_gather--> GATHERED --release--> SHARDED
+    FETCHING --abandon--> SHARDED   (a prefetch that turned out not to be needed)
+`fetch_local` (this rank's shard: tier -> staging buffer -> device slot) may run on a background
+thread; `finish_gather` (the all-gather) always runs on the main thread, in execution order, so
+every rank issues the same collectives in the same order.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zero_offload import comm
+from zero_offload.partition import FlatLayout
+from zero_offload.store.base import Store
+from zero_offload.store.resident import copy_async
+from zero_offload.trace import tracer
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    FETCHING = "fetching"
+    GATHERED = "gathered"
+
+
+@dataclass
+class FlatGroup:
+    """One flat buffer of a unit: the parameters that share `trainable`."""
+
+    key: str
+    trainable: bool
+    names: list[str]
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    flat: torch.Tensor  # the full flat buffer; its storage holds 0 bytes while sharded
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.padded_numel * self.flat.element_size()
+
+
+class StagingPool:
+    """Reusable transfer buffers per (numel, dtype), made by the store (aligned/pinned as it needs).
+
+    Buffers return to the pool after each transfer, so the pool holds as many of a size as there
+    were transfers of that size in flight at once (two: the prefetch thread and the main thread).
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.setdefault((numel, dtype), [])
+            if free:
+                return free.pop()
+        make: Callable[[int, torch.dtype], torch.Tensor] | None = getattr(self.store, "staging_buffer", None)
+        buf = make(numel, dtype) if make is not None else torch.empty(numel, dtype=dtype)
+        with self._lock:
+            self.nbytes += buf.numel() * buf.element_size()
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+
+
+class Unit:
+    """Parameters gathered and released together; see the module docstring."""
+
+    def __init__(self, index: int, name: str, named_params: list[tuple[str, nn.Parameter, torch.Size]], *,
+                 dtype: torch.dtype, device: torch.device, store: Store, staging: StagingPool) -> None:
+        self.index, self.name = index, name
+        self.dtype, self.device = dtype, torch.device(device)
+        self.store, self.staging = store, staging
+        self.world, self.rank = comm.world_size(), comm.rank()
+        self.state = UnitState.SHARDED
+        self.resident = False
+        self.groups: list[FlatGroup] = []
+        for trainable in (True, False):
+            chosen = [(n, p, s) for n, p, s in named_params if p.requires_grad == trainable]
+            if chosen:
+                self.groups.append(self._make_group(chosen, trainable))
+        self._pending: Callable[[], None] | None = None
+
+    def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
+        layout = FlatLayout.build([s for _, _, s in named], self.world)
+        flat = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
+        flat.untyped_storage().resize_(0)
+        key = f"unit{self.index}.{'trainable' if trainable else 'frozen'}"
+        self.store.allocate(key, layout.shard_numel, self.dtype)
+        return FlatGroup(key, trainable, [n for n, _, _ in named], [p for _, p, _ in named], layout, flat)
+
+    # ---- sizes ----
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered compute copy (padding included): what the live budget counts."""
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def trainable(self) -> FlatGroup | None:
+        return self.groups[0] if self.groups and self.groups[0].trainable else None
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
+
+    # ---- state machine ----
+    def _leave(self, state: UnitState, transition: str) -> None:
+        if self.state is not state:
+            raise RuntimeError(f"unit '{self.name}': {transition} needs state {state.value}, it is {self.state.value}")
+
+    def begin_fetch(self) -> None:
+        """SHARDED -> FETCHING: allocate the flat buffers; `fetch_local` then fills this rank's slot."""
+        self._leave(UnitState.SHARDED, "begin_fetch")
+        for g in self.groups:
+            g.flat.untyped_storage().resize_(g.layout.padded_numel * g.flat.element_size())
+        self.state = UnitState.FETCHING
+
+    def set_pending(self, wait: Callable[[], None]) -> None:
+        """`wait()` finishes the background fetch_local of this unit (re-raising its error)."""
+        self._pending = wait
+
+    def fetch_local(self) -> None:
+        """Copy this rank's shard of every group from its tier into its slot of the flat buffer."""
+        if self.state is not UnitState.FETCHING:
+            raise RuntimeError(f"unit '{self.name}': fetch_local needs state fetching, it is {self.state.value}")
+        with tracer().span(f"fetch {self.name}", "transfer", bytes=self.nbytes // self.world):
+            for g in self.groups:
+                lo, hi = g.layout.shard_range(self.rank)
+                self._read_shard(g.key, g.flat[lo:hi])
+
+    def _read_shard(self, key: str, slot: torch.Tensor) -> None:
+        if self.store.view(key) is not None:  # resident tier: one (possibly host->device) copy
+            self.store.read(key, slot).wait()
+            return
+        buf = self.staging.acquire(slot.numel(), slot.dtype)  # nvme -> staging -> device
+        try:
+            self.store.read(key, buf).wait()
+            copy_async(slot, buf).wait()
+        finally:
+            self.staging.give_back(buf)
+
+    def finish_gather(self) -> None:
+        """FETCHING -> GATHERED: wait for the local fetch, all-gather, point the parameters at views."""
+        self._leave(UnitState.FETCHING, "finish_gather")
+        if self._pending is not None:
+            wait, self._pending = self._pending, None
+            start = time.perf_counter_ns()
+            wait()
+            tracer().add(f"wait {self.name}", "wait", start, time.perf_counter_ns())
+        if self.world > 1:
+            with tracer().span(f"all-gather {self.name}", "comm"):
+                for g in self.groups:
+                    lo, hi = g.layout.shard_range(self.rank)
+                    comm.all_gather_(g.flat, g.flat[lo:hi].clone())
+        for g in self.groups:
+            for p, view in zip(g.params, g.layout.views(g.flat)):
+                p.data = view
+        self.state = UnitState.GATHERED
+
+    def abandon(self) -> None:
+        """FETCHING -> SHARDED without gathering (a prefetch the step did not use)."""
+        self._leave(UnitState.FETCHING, "abandon")
+        if self._pending is not None:
+            wait, self._pending = self._pending, None
+            wait()
+        self._free_storage()
+        self.state = UnitState.SHARDED
+
+    def release(self) -> None:
+        """GATHERED -> SHARDED: parameters become empty and the flat buffers give their bytes back."""
+        self._leave(UnitState.GATHERED, "release")
+        self._free_storage()
+        self.state = UnitState.SHARDED
+
+    def _free_storage(self) -> None:
+        for g in self.groups:
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            for p in g.params:
+                p.data = empty
+            g.flat.untyped_storage().resize_(0)
+
+    def install_shards(self, shards: dict[str, torch.Tensor | None]) -> None:
+        """A GATHERED (resident) unit takes new shards in place: given ones are copied into this
+        rank's slot, missing ones (None) are read from the store; then the all-gather (collective)."""
+        if self.state is not UnitState.GATHERED:
+            raise RuntimeError(f"unit '{self.name}': install_shards needs state gathered, it is {self.state.value}")
+        for g in self.groups:
+            lo, hi = g.layout.shard_range(self.rank)
+            values = shards.get(g.key)
+            if values is None and not g.trainable:
+                continue  # frozen values never change
+            if values is None:
+                self._read_shard(g.key, g.flat[lo:hi])
+            else:
+                copy_async(g.flat[lo:hi], values.to(self.dtype).reshape(-1)).wait()
+            if self.world > 1:
+                with tracer().span(f"all-gather {self.name}", "comm"):
+                    comm.all_gather_(g.flat, g.flat[lo:hi].clone())
+
+    # ---- shards ----
+    def write_shard(self, key: str, values: torch.Tensor) -> None:
+        """Store a new compute-copy shard of group `key` (initial weights or an optimizer update)."""
+        self.store.write(key, values.to(self.dtype).reshape(-1)).wait()
+
+    def read_shard(self, key: str) -> torch.Tensor:
+        group = next(g for g in self.groups if g.key == key)
+        out = torch.empty(group.layout.shard_numel, dtype=self.dtype)
+        return self.store.read(key, out).wait()
+
+    def reduce_grads(self, scale: float) -> torch.Tensor | None:
+        """This rank's grad shard of the trainable group (sum over ranks x `scale`); frees `.grad`.
+
+        Must be called on every rank in the same unit order (reduce-scatter is collective). A
+        parameter that got no gradient contributes zeros, as at stages 0-2.
+        """
+        g = self.trainable
+        if g is None:
+            return None
+        full = torch.zeros(g.layout.padded_numel, dtype=self.dtype, device=self.device)
+        for p, view in zip(g.params, g.layout.views(full)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
+        full.mul_(scale)
+        if self.world == 1:
+            return full  # the whole flat buffer is the one shard: no copy
+        shard = torch.empty(g.layout.shard_numel, dtype=self.dtype, device=self.device)
+        with tracer().span(f"reduce-scatter {self.name}", "comm"):
+            comm.reduce_scatter_(shard, full)
+        return shard
