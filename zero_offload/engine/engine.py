@@ -3,7 +3,7 @@
 The Engine owns the order of calls (IDLE → FORWARD → BACKWARD → STEP → IDLE), the micro-batch
 count that decides the gradient-accumulation boundary, and the fp16 loss scale applied in
 backward. Everything that differs between ZeRO stages sits behind a runtime (runtime.py for
-stages 0-2, the stage-3 helper's Stage3Runtime for stage 3) with one interface.
+stages 0-2, Stage3Runtime in stage3.py for stage 3) with one interface.
 """
 from __future__ import annotations
 
