@@ -20,19 +20,8 @@ from typing import Any, Callable
 import aiofiles
 
 from zero_offload.io import checksum
-from zero_offload.io.base import AIOBackend, ChecksumError, FileRef, IOFuture, file_label, io_error
+from zero_offload.io.base import AIOBackend, ChecksumError, FileRef, IOFuture, ThreadFuture, file_label, io_error
 from zero_offload.io.checksum import ChecksumView
-
-
-class _ThreadFuture(IOFuture):
-    def __init__(self, fut: concurrent.futures.Future) -> None:
-        self._fut = fut
-
-    def wait(self) -> None:
-        self._fut.result()
-
-    def done(self) -> bool:
-        return self._fut.done()
 
 
 def _reopen_spec(file: FileRef, write: bool) -> tuple[str, int]:
@@ -78,7 +67,7 @@ class AiofilesAIO(AIOBackend):
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
-        return _ThreadFuture(fut)
+        return ThreadFuture(fut)
 
     async def _request(self, write: bool, file: FileRef, offset: int, addr: int, length: int,
                        chunk: int, checksums: ChecksumView | None, keep: Any) -> None:

@@ -7,6 +7,7 @@ a read before the future completes, so a corrupted block is an error, never data
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import os
@@ -72,6 +73,19 @@ class IOFuture(ABC):
 
     @abstractmethod
     def done(self) -> bool: ...
+
+
+class ThreadFuture(IOFuture):
+    """A request running on a concurrent.futures pool (the aiofiles backend, bounced transfers)."""
+
+    def __init__(self, fut: "concurrent.futures.Future") -> None:
+        self._fut = fut
+
+    def wait(self) -> None:
+        self._fut.result()
+
+    def done(self) -> bool:
+        return self._fut.done()
 
 
 class DoneFuture(IOFuture):

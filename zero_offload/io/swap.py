@@ -26,7 +26,7 @@ import torch
 
 from zero_offload.config import IOConfig
 from zero_offload.io.aio import open_backend
-from zero_offload.io.base import AIOBackend, ChainedFuture, ChecksumError, DoneFuture, IOFuture
+from zero_offload.io.base import AIOBackend, ChainedFuture, ChecksumError, DoneFuture, IOFuture, ThreadFuture
 from zero_offload.io.buffers import ALIGN, BufferPool, aligned_empty, round_up
 from zero_offload.io.checksum import ChecksumTable
 from zero_offload.io.swap_files import SwapError, SwapFile, check_paths, check_space
@@ -199,7 +199,7 @@ class SwapStore:
         if data.data_ptr() % ALIGN == 0 or not e.file.direct:
             return self._direct(e, data, write)
         fut = self._bouncer.submit(self._bounced, e, data, write)
-        return _ThreadFuture(fut)
+        return ThreadFuture(fut)
 
     def _submit(self, e: _Entry, write: bool, pos: int, buf: torch.Tensor, length: int, index: int) -> IOFuture:
         op = self.backend.write if write else self.backend.read
@@ -283,17 +283,6 @@ class SwapStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _ThreadFuture(IOFuture):
-    def __init__(self, fut: concurrent.futures.Future) -> None:
-        self._fut = fut
-
-    def wait(self) -> None:
-        self._fut.result()
-
-    def done(self) -> bool:
-        return self._fut.done()
 
 
 def _byte_view(t: torch.Tensor, slot: Slot, op: str) -> torch.Tensor:
