@@ -4,13 +4,26 @@ ZeRO partitions training state across data-parallel ranks (stage 1: optimizer st
 gradients, 3: also parameters); separately, each state group lives on a tier (device, pinned CPU
 RAM, or NVMe). See docs/architecture.md for the vocabulary and the layers.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from zero_offload.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from zero_offload.engine.engine import Engine
 
 __all__ = ["Config", "ConfigError", "initialize"]
 
 
-def initialize(model, config=None, **kwargs):  # noqa: ANN001, ANN201 - typed in engine.engine
-    """Wrap `model` in an Engine that trains it under `config` (see zero_offload.engine)."""
+def initialize(model: "torch.nn.Module", config: Config | dict | str | None = None, **kwargs: Any) -> "Engine":
+    """Wrap `model` in an Engine that trains it under `config` (see zero_offload/engine/engine.py).
+
+    The engine is imported here, not at package import, so `import zero_offload` stays cheap and
+    works for the CLI's info/estimate/config commands.
+    """
     from zero_offload.engine.engine import initialize as _initialize
 
     return _initialize(model, config, **kwargs)
