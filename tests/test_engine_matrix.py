@@ -14,7 +14,6 @@ D=3: 1.0e-3 and 2.5e-2); measured worst cases are printed by the test on failure
 """
 from __future__ import annotations
 
-import os
 import tempfile
 
 import pytest

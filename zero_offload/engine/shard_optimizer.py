@@ -121,7 +121,7 @@ class ShardOptimizer:
             return
         if ready is not None:
             ready.wait()
-        self._sq_norm += float(grad.float().pow(2).sum())
+        self._sq_norm += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         if key not in self.grad_store.keys():
             self.grad_store.allocate(key, grad.numel(), grad.dtype)
         self.grad_store.write(key, grad).wait()
@@ -129,17 +129,17 @@ class ShardOptimizer:
 
     def finish_step(self) -> bool:
         """Complete the step of every shard that got a gradient; False if it was skipped (overflow)."""
-        if not self.eager:
-            if not self._submit_held():
-                self._end_step()
+        try:  # a failed step must not leave this step's arrivals behind for the next one
+            if not self.eager and not self._submit_held():
                 return False
-        for job in self.pipeline.drain():
-            self.steps[job.key] = job.scalars.step
-            if self.on_updated is not None:
-                self.on_updated(job.key, job.out)
-        self.optimizer.step()
-        self._end_step()
-        return True
+            for job in self.pipeline.drain():
+                self.steps[job.key] = job.scalars.step
+                if self.on_updated is not None:
+                    self.on_updated(job.key, job.out)
+            self.optimizer.step()
+            return True
+        finally:
+            self._end_step()
 
     def _submit_held(self) -> bool:
         """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""

@@ -137,6 +137,10 @@ class StateAccess:
     def prefetch(self, key: str, numel: int) -> None:
         if any(s.key == key for s in self._sets) or self.resident(key) is not None:
             return
+        for old in self._retired:  # a retired set may still be writing this shard back
+            if old.key == key:
+                old.settle()
+                old.key = None
         s = self._take(numel)
         s.key = key
         s.reads = [self.store.read(f"{key}.{p}", b[:numel]) for p, b in zip(PARTS, s.buffers)]
@@ -159,10 +163,18 @@ class StateAccess:
         if staged is not None:
             staged.writes = [self.store.write(f"{key}.{p}", b[:numel]) for p, b in zip(PARTS, staged.buffers)]
 
-    def flush(self) -> None:
-        """Finish every transfer in flight and forget what the sets hold (their data may be stale)."""
+    def flush(self, *, after_error: bool = False) -> None:
+        """Finish every transfer in flight and forget what the sets hold (their data may be stale).
+
+        After a failed job a set may hold a half-updated shard: forgetting it is what keeps the
+        next step reading the store's copy; transfer errors then are already being reported."""
         for s in self._sets + self._retired:
-            s.settle()
+            try:
+                s.settle()
+            except Exception:
+                if not after_error:
+                    raise
+                s.reads, s.writes = [], []
             s.key = None
         self._retired = []
 
@@ -208,16 +220,22 @@ class StepPipeline:
             self._queue.join()
         if self._error is not None:
             err, self._error = self._error, None
+            self.done = []
+            self.access.flush(after_error=True)
             raise RuntimeError(f"the optimizer step failed: {err}") from err
         done, self.done = self.done, []
         return done
 
     def close(self) -> None:
-        self.access.flush()
+        """Stop the worker first (it may still touch the staging sets), then finish the transfers."""
         if self._worker is not None:
             self._queue.put(None)
-            self._worker.join(timeout=10)
+            self._worker.join()
             self._worker = None
+        self.access.flush(after_error=self._error is not None)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"the optimizer step failed: {err}") from err
 
     def _loop(self) -> None:
         while True:

@@ -91,7 +91,13 @@ class BufferPool:
         with self._cond:
             buf = self._take(size, deadline, nbytes)
         if buf is None:  # reserved in the budget; allocate outside the lock
-            buf = aligned_empty(size, alignment=self.alignment, pin=self.pin)
+            try:
+                buf = aligned_empty(size, alignment=self.alignment, pin=self.pin)
+            except BaseException:
+                with self._cond:  # undo the reservation, or the pool would starve for good
+                    self.in_use_bytes -= size
+                    self._cond.notify_all()
+                raise
         with self._cond:
             self._out[buf.data_ptr()] = (size, buf)
         return buf[:nbytes]

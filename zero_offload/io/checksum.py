@@ -7,6 +7,7 @@ two give different values, so a store records which one it uses and never mixes 
 from __future__ import annotations
 
 import ctypes
+import functools
 import zlib
 
 from zero_offload import native
@@ -14,6 +15,7 @@ from zero_offload import native
 _U32 = ctypes.c_uint32
 
 
+@functools.cache
 def _native_fn() -> ctypes._CFuncPtr | None:
     lib = native.lib()
     if lib is None:

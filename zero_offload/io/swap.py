@@ -226,10 +226,15 @@ class SwapStore:
             for pos, n, index in e.blocks():
                 disk = round_up(n)
                 buf = self._acquire(disk, inflight, data, write)
-                if write:
-                    buf[:n].copy_(data[pos:pos + n])
-                    buf[n:disk].zero_()
-                inflight.append((self._submit(e, write, pos, buf, disk, index), buf, pos, n))
+                try:
+                    if write:
+                        buf[:n].copy_(data[pos:pos + n])
+                        buf[n:disk].zero_()
+                    fut = self._submit(e, write, pos, buf, disk, index)
+                except BaseException:
+                    self._pool.release(buf)  # not yet in flight: give its bytes back to the budget
+                    raise
+                inflight.append((fut, buf, pos, n))
                 if len(inflight) >= _BOUNCE_DEPTH:
                     self._retire(inflight.popleft(), data, write)
             while inflight:

@@ -67,8 +67,7 @@ def _lib() -> ctypes.CDLL | None:
     handle.zo_adam_step.argtypes = [ctypes.POINTER(AdamTensor), ctypes.c_int64,
                                     ctypes.POINTER(AdamHyper), ctypes.c_int32, ctypes.c_int32]
     handle.zo_adam_step.restype = ctypes.c_int32
-    for name in ("zo_adam_isa_supported",):
-        getattr(handle, name).argtypes = [ctypes.c_int32]
+    handle.zo_adam_isa_supported.argtypes = [ctypes.c_int32]
     for name in ("zo_adam_isa_supported", "zo_adam_avx512_uses_bf16_insn", "zo_adam_pool_threads"):
         getattr(handle, name).restype = ctypes.c_int32
     return handle
