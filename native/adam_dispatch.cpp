@@ -168,12 +168,6 @@ class Blocks {
     size_ = std::clamp(total() / (4 * int64_t{threads}), int64_t{1} << 12, int64_t{1} << 18) & ~int64_t{63};
   }
 
-  static int64_t total_of(const zo_adam_tensor* ts, int64_t count) {
-    int64_t total = 0;
-    for (int64_t j = 0; j < count; ++j) total += ts[j].n;
-    return total;
-  }
-
   int64_t total() const { return starts_.back(); }
 
   // Calls fn(tensor index, begin, end) for every piece of every block this thread claims,
@@ -218,12 +212,12 @@ Kernels kernels_for(int32_t isa) {
 // Below this many elements per thread, waking another thread costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
 
-int32_t step_locked(const zo_adam_tensor* ts, int64_t count, const zo_adam_hyper& h,
+// `total` is the element count of all tensors, summed once by the caller while checking them.
+int32_t step_locked(const zo_adam_tensor* ts, int64_t count, int64_t total, const zo_adam_hyper& h,
                     Kernels k, int threads) {
   std::vector<zo_adam_coeffs> coeffs(count);
   for (int64_t j = 0; j < count; ++j) coeffs[j] = coeffs_for(h, ts[j].step);
   const float scale = static_cast<float>(h.grad_scale);
-  const int64_t total = Blocks::total_of(ts, count);
   const int64_t useful = (total + kMinPerThread - 1) / kMinPerThread;
   const int n = pool().reserve(static_cast<int>(useful < threads ? useful : threads));
   if (h.check_finite) {
@@ -256,7 +250,7 @@ extern "C" int32_t zo_adam_step(const zo_adam_tensor* tensors, int64_t count,
   }
   if (total == 0) return ZO_ADAM_OK;
   std::lock_guard<std::mutex> lock(g_call_mu);
-  return step_locked(tensors, count, *hyper, kernels_for(isa), threads);
+  return step_locked(tensors, count, total, *hyper, kernels_for(isa), threads);
 }
 
 extern "C" int32_t zo_adam_isa_supported(int32_t isa) { return supported(isa) ? 1 : 0; }

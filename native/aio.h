@@ -25,6 +25,7 @@ extern "C" {
 zo_aio_engine* zo_aio_create(int threads, int queue_depth);
 // Finishes every queued chunk, then joins the workers.
 void zo_aio_destroy(zo_aio_engine* eng);
+// Worker threads started: threads * queue_depth (0 for NULL).
 int zo_aio_workers(const zo_aio_engine* eng);
 
 // Splits [offset, offset+len) into `chunk`-byte pieces (the last may be shorter); sums, when not

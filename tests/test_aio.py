@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import errno
 import os
 import random
@@ -167,3 +168,27 @@ def test_python_checksum_fallback_without_native(monkeypatch: pytest.MonkeyPatch
     addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
     assert checksum.algorithm() == "zlib-crc32"
     assert checksum.compute(addr, len(buf)) == zlib.crc32(buf)
+
+
+def test_aiofiles_backend_dropped_without_close_stops_its_threads() -> None:
+    io = open_backend("aiofiles", threads=1, queue_depth=2)
+    io.read("/dev/zero", 0, bytearray(10)).wait()  # the executor has started a thread
+    threads = [io._thread, *io._pool._threads]
+    del io
+    gc.collect()
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads)
+    io = open_backend("aiofiles", threads=1, queue_depth=1)
+    io.close()
+    io.close()  # idempotent, and the finalizer does not run a second time either
+    del io
+    gc.collect()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native library not built")
+def test_native_engine_starts_threads_times_queue_depth_workers() -> None:
+    io = open_backend("native", threads=3, queue_depth=5)
+    assert io.workers == 15
+    io.close()
+    assert io.workers == 0

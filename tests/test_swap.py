@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from zero_offload.io import swap_files
+from zero_offload.io import swap, swap_files
+from zero_offload.io.aio import open_backend
 from zero_offload.io.native_aio import native_lib
 from zero_offload.io.swap import SwapError, SwapStore
 
@@ -305,3 +306,66 @@ def test_released_slots_are_reused_by_same_size_registrations(tmp_path: Path) ->
         with pytest.raises(ValueError, match="shard 'a' was never written"):
             st.read("a", torch.empty(9_000, dtype=torch.uint8))
         assert st.bytes_retained() == 2 * 12288
+
+
+def test_bounce_budget_below_one_block_is_refused(tmp_path: Path) -> None:
+    # a bounced block takes one block-sized buffer: a smaller pool could never serve a transfer
+    with pytest.raises(ValueError, match=r"bounce_budget_bytes=32768 is smaller than io.block_size=65536"):
+        _store([tmp_path], bounce_budget_bytes=32 << 10)
+    assert os.listdir(tmp_path) == []
+    with _store([tmp_path], bounce_budget_bytes=64 << 10) as st:  # exactly one block is enough
+        st.register("k", 200_000)
+        src = torch.randint(0, 256, (200_000,), dtype=torch.uint8)
+        st.write("k", torch.empty(200_001, dtype=torch.uint8)[1:].copy_(src)).wait()
+        out = torch.empty(200_001, dtype=torch.uint8)[1:]
+        st.read("k", out).wait()
+        assert torch.equal(out, src)
+
+
+@pytest.mark.parametrize("failing", ["BufferPool", "ThreadPoolExecutor"])
+def test_failed_construction_removes_files_and_closes_its_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 failing: str) -> None:
+    opened: list = []
+    real_open, real_executor = swap.open_backend, swap.concurrent.futures.ThreadPoolExecutor
+
+    def open_backend(*a: Any, **kw: Any) -> Any:
+        opened.append(real_open(*a, **kw))
+        return opened[-1]
+
+    def executor(*a: Any, **kw: Any) -> Any:
+        if kw.get("thread_name_prefix") == "zo-swap-bounce":
+            raise RuntimeError("can't start new thread")
+        return real_executor(*a, **kw)
+
+    def pool(*a: Any, **kw: Any) -> Any:
+        raise MemoryError("no pinned memory")
+
+    monkeypatch.setattr(swap, "open_backend", open_backend)
+    if failing == "BufferPool":
+        monkeypatch.setattr(swap, "BufferPool", pool)
+    else:
+        monkeypatch.setattr(swap.concurrent.futures, "ThreadPoolExecutor", executor)
+    with pytest.raises((MemoryError, RuntimeError)):
+        _store([tmp_path])
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="backend is closed"):
+        opened[0].read("/dev/null", 0, bytearray(1))
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_failed_chmod_of_a_new_swap_file_leaks_no_fd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(fd: int, mode: int) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    with open_backend("aiofiles", threads=1, queue_depth=1) as io:  # opened first: its own fds stay
+        before = _open_fds()
+        monkeypatch.setattr(os, "fchmod", refuse)
+        with pytest.raises(SwapError, match=rf"cannot create swap file {tmp_path}/zero_offload-t-rank0/swap.bin: "
+                                            "Operation not permitted"):
+            SwapStore([str(tmp_path)], "t", 0, capacity_bytes=1 << 20, io=IO(), backend=io)
+        monkeypatch.undo()
+        assert _open_fds() == before
+    assert os.listdir(tmp_path) == []

@@ -15,12 +15,14 @@ import errno
 import fcntl
 import os
 import threading
+import weakref
 from typing import Any, Callable
 
 import aiofiles
 
 from zero_offload.io import checksum
-from zero_offload.io.base import AIOBackend, ChecksumError, FileRef, IOFuture, ThreadFuture, file_label, io_error
+from zero_offload.io.base import (AIOBackend, ChecksumError, FileRef, IOFuture, ThreadFuture, eof_error, file_label,
+                                  io_error)
 from zero_offload.io.checksum import ChecksumView
 
 
@@ -58,51 +60,58 @@ class AiofilesAIO(AIOBackend):
         self._thread = threading.Thread(target=self._loop.run_forever, name="zo-aiofiles-loop", daemon=True)
         self._thread.start()
         self._pending: set[concurrent.futures.Future] = set()
+        # Like NativeAIO.__del__: a backend dropped without close() still stops its threads. A
+        # finalizer rather than __del__ also runs at interpreter exit, while the loop thread can
+        # still be joined. Requests are static methods, so in flight they never hold self: the
+        # last reference cannot drop on the loop thread, which could not join itself.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._pool, self._pending)
 
     def _start(self, write: bool, file: FileRef, offset: int, addr: int, length: int, chunk: int,
                checksums: ChecksumView | None, keep: Any) -> IOFuture:
         if self._loop.is_closed():
             raise RuntimeError("aiofiles async I/O backend is closed")
-        coro = self._request(write, file, offset, addr, length, chunk, checksums, keep)
+        coro = self._request(self._pool, write, file, offset, addr, length, chunk, checksums, keep)
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         return ThreadFuture(fut)
 
-    async def _request(self, write: bool, file: FileRef, offset: int, addr: int, length: int,
-                       chunk: int, checksums: ChecksumView | None, keep: Any) -> None:
+    @staticmethod
+    async def _request(pool: concurrent.futures.Executor, write: bool, file: FileRef, offset: int, addr: int,
+                       length: int, chunk: int, checksums: ChecksumView | None, keep: Any) -> None:
         # `keep` holds the caller's buffer alive until this coroutine ends
         try:
             path, extra = _reopen_spec(file, write)
         except OSError as exc:
             raise io_error("write" if write else "read", file, offset, exc.errno) from None
-        tasks = [self._chunk(write, path, extra, file, offset + pos, addr + pos, min(chunk, length - pos),
-                             checksums, i)
+        tasks = [AiofilesAIO._chunk(pool, write, path, extra, file, offset + pos, addr + pos,
+                                    min(chunk, length - pos), checksums, i)
                  for i, pos in enumerate(range(0, length, chunk))]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
 
-    async def _chunk(self, write: bool, path: str, extra: int, file: FileRef, offset: int, addr: int,
-                     nbytes: int, checksums: ChecksumView | None, index: int) -> None:
+    @staticmethod
+    async def _chunk(pool: concurrent.futures.Executor, write: bool, path: str, extra: int, file: FileRef,
+                     offset: int, addr: int, nbytes: int, checksums: ChecksumView | None, index: int) -> None:
         loop = asyncio.get_running_loop()
         view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
         if write and checksums is not None:
-            checksums.set(index, await loop.run_in_executor(self._pool, checksum.compute, addr, nbytes))
+            checksums.set(index, await loop.run_in_executor(pool, checksum.compute, addr, nbytes))
         mode = "r+b" if write else "rb"
         try:
-            async with aiofiles.open(path, mode, buffering=0, opener=_opener(extra), executor=self._pool) as f:
+            async with aiofiles.open(path, mode, buffering=0, opener=_opener(extra), executor=pool) as f:
                 await f.seek(offset)
-                done = await self._transfer(f, write, view)
+                done = await AiofilesAIO._transfer(f, write, view)
         except OSError as exc:
             raise io_error("write" if write else "read", file, offset, exc.errno or errno.EIO) from exc
         if done < nbytes and write:
             raise io_error("write", file, offset + done, errno.ENOSPC)
         if done < nbytes:
-            raise OSError(errno.EIO, f"read of {file_label(file)} hit end of file at offset {offset + done}")
+            raise eof_error(file, offset + done)
         if not write and checksums is not None:
-            got = await loop.run_in_executor(self._pool, checksum.compute, addr, nbytes)
+            got = await loop.run_in_executor(pool, checksum.compute, addr, nbytes)
             if got != checksums.get(index):
                 raise ChecksumError(file_label(file), offset, checksums.get(index), got)
 
@@ -118,9 +127,15 @@ class AiofilesAIO(AIOBackend):
         return done
 
     def close(self) -> None:
-        if not self._loop.is_closed():
-            concurrent.futures.wait(list(self._pending))  # never abandon a request mid-flight
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-            self._pool.shutdown(wait=True)
+        """Finish what is in flight, then stop the loop thread and the executor; idempotent."""
+        self._finalizer()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: concurrent.futures.Executor,
+              pending: set[concurrent.futures.Future]) -> None:
+    """close() or garbage collection, whichever comes first (weakref.finalize runs it once)."""
+    concurrent.futures.wait(list(pending))  # never abandon a request mid-flight
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+    pool.shutdown(wait=True)

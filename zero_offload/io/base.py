@@ -65,6 +65,11 @@ def io_error(op: str, file: FileRef, offset: int, code: int) -> OSError:
     return OSError(code, f"{op} of {file_label(file)} at offset {offset} failed: {os.strerror(code)}")
 
 
+def eof_error(file: FileRef, offset: int) -> OSError:
+    """A read that ran out of file at `offset`; one message whichever backend found it."""
+    return OSError(errno.EIO, f"read of {file_label(file)} hit end of file at offset {offset}")
+
+
 class IOFuture(ABC):
     """Completion of one request. `wait()` blocks (without the GIL) and raises its error."""
 

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from zero_offload import native
-from zero_offload.io.base import (AIOBackend, ChecksumError, FileRef, IOFuture, file_label,
+from zero_offload.io.base import (AIOBackend, ChecksumError, FileRef, IOFuture, eof_error, file_label,
                                   io_error, open_path)
 from zero_offload.io.checksum import ChecksumView
 
@@ -76,7 +76,7 @@ class _NativeFuture(IOFuture):
         if status == ECHECKSUM:
             return ChecksumError(file_label(self._file), off.value, exp.value, got.value)
         if status == ESHORT:
-            return OSError(5, f"read of {file_label(self._file)} hit end of file at offset {off.value}")
+            return eof_error(self._file, off.value)
         return io_error("write" if self._write else "read", self._file, off.value, status)
 
     def done(self) -> bool:
@@ -123,6 +123,11 @@ class NativeAIO(AIOBackend):
                 os.close(owned)
             raise ValueError(f"native async I/O refused a request of {length} bytes at offset {offset}")
         return _NativeFuture(self._lib, req, write, file, (keep, checksums), owned)
+
+    @property
+    def workers(self) -> int:
+        """Worker threads the engine really started (`threads * queue_depth`); 0 once closed."""
+        return self._lib.zo_aio_workers(self._eng) if self._eng is not None else 0
 
     def close(self) -> None:
         if self._eng is not None:

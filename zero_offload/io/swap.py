@@ -78,6 +78,7 @@ class SwapStore:
             raise ValueError(f"swap store needs rank >= 0 and capacity_bytes >= 0, got {rank}, {capacity_bytes}")
         io = io or IOConfig()
         self.block_size = io.block_size
+        budget = _bounce_budget(bounce_budget_bytes, self.block_size)
         roots = check_paths(paths)
         per_file = round_up(-(-capacity_bytes // len(roots)))
         self._files: list[SwapFile] = []
@@ -91,14 +92,14 @@ class SwapStore:
             check_space({os.path.dirname(f.dir): max(per_file - f.existing_bytes, 0) for f in self._files})
             for f in self._files:
                 f.create(per_file, direct=io.direct)
+            # inside the try: a failure here must not leave the files or the backend behind
+            self._pool = BufferPool(budget, pin=torch.cuda.is_available())
+            self._bouncer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zo-swap-bounce")
         except BaseException:
             _remove_files(self._files)
             if self._own_backend:
                 self.backend.close()
             raise
-        self._pool = BufferPool(bounce_budget_bytes or _BOUNCE_DEPTH * 2 * self.block_size,
-                                pin=torch.cuda.is_available())
-        self._bouncer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zo-swap-bounce")
         self._entries: dict[str, _Entry] = {}
         self._released: dict[int, list[_Entry]] = {}  # rounded length -> slots free for reuse
         self._used = [0] * len(self._files)
@@ -288,6 +289,17 @@ class SwapStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bounce_budget(budget: int | None, block_size: int) -> int:
+    """The bounce pool's byte budget. A bounced block takes one buffer of up to `block_size`
+    bytes, so a smaller budget could never serve one: refuse it here, not mid-transfer."""
+    if budget is None:
+        return _BOUNCE_DEPTH * 2 * block_size
+    if budget < block_size:
+        raise ValueError(f"swap store bounce_budget_bytes={budget!r} is smaller than io.block_size={block_size}: "
+                         "a bounced block needs one whole block buffer")
+    return budget
 
 
 def _byte_view(t: torch.Tensor, slot: Slot, op: str) -> torch.Tensor:

@@ -145,7 +145,11 @@ class SwapFile:
         flags = os.O_RDWR | (0 if reused else os.O_CREAT | os.O_EXCL)
         try:
             fd = os.open(self.path, flags, 0o600)
-            os.fchmod(fd, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            except BaseException:
+                os.close(fd)  # not yet in self.fd, so remove() would never close it
+                raise
         except OSError as exc:
             raise SwapError(exc.errno, f"cannot create swap file {self.path}: {exc.strerror}") from None
         self.fd = fd
