@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--only-ours", action="store_true", help="skip the DeepSpeed runs")
+    p.add_argument("--override", default="{}", help="JSON merged into our configs, e.g. '{\"overlap_step\": false}'")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -52,7 +53,14 @@ def _peer_module(path: str) -> Any:
     return module
 
 
-def _config(name: str, nvme_dir: str) -> Any:
+def _config(name: str, nvme_dir: str, override: str = "{}") -> Any:
+    from zero_offload import Config
+
+    base = _base_config(name, nvme_dir)
+    return Config.from_dict({**base.to_dict(), **json.loads(override)}) if override != "{}" else base
+
+
+def _base_config(name: str, nvme_dir: str) -> Any:
     from zero_offload import Config
 
     common = dict(optimizer={"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
@@ -97,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     model.init_weights()
     nparams = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=args.workdir) as nvme_dir:
-        engine = zero_offload.initialize(model, _config(args.worker, nvme_dir))
+        engine = zero_offload.initialize(model, _config(args.worker, nvme_dir, args.override))
         times: dict[str, list[float]] = {"fwd": [], "bwd": [], "step": [], "total": []}
         io0 = None
         for i, (x, y) in enumerate(data):
@@ -145,7 +153,7 @@ def run_peer(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any
 
 def run_ours(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--peer-script", args.peer_script,
-           "--workdir", workdir, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--workdir", workdir, "--warmup", str(args.warmup), "--steps", str(args.steps), "--override", args.override]
     return _run(cmd, dict(os.environ), TAG)
 
 

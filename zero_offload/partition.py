@@ -79,12 +79,18 @@ class FlatLayout:
             raise ValueError(f"flat buffer has {flat.numel()} elements, layout needs {self.padded_numel}")
         return [flat[o:o + s.numel()].view(s) for s, o in zip(self.shapes, self.offsets)]
 
-    def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new padded flat buffer holding `tensors` (zeros in the padding)."""
+    def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        """A new padded flat buffer holding `tensors` times `scale` (zeros in the padding).
+        The scale is applied while copying: one pass over the data, not two."""
         dtype = dtype or tensors[0].dtype
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=tensors[0].device)
         for view, t in zip(self.views(flat), tensors):
-            view.copy_(t)
+            if scale == 1.0:
+                view.copy_(t)
+            else:
+                torch.mul(t, scale, out=view)
+        flat[self.numel:].zero_()
         return flat
 
     def shard_from(self, tensors: Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:

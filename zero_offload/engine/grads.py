@@ -100,12 +100,17 @@ class GradReducer:
             self._next += 1
 
     def _flatten(self, b: Bucket) -> torch.Tensor:
-        """The bucket's gradients as one scaled flat buffer; the parameters' .grad are released."""
+        """The bucket's gradients as one scaled flat buffer; the parameters' .grad are released.
+
+        A bucket of one parameter without padding needs no copy: autograd's gradient tensor,
+        which nothing else references once .grad is cleared, becomes the flat buffer."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        flat = b.layout.flatten(grads, dtype=self.dtype)
         for p in b.params:
             p.grad = None
-        return flat.mul_(self.scale)
+        g = grads[0]
+        if len(grads) == 1 and b.layout.padding == 0 and g.dtype == self.dtype and g.is_contiguous():
+            return g.view(-1) if self.scale == 1.0 else g.view(-1).mul_(self.scale)
+        return b.layout.flatten(grads, dtype=self.dtype, scale=self.scale)
 
     def _launch(self, b: Bucket) -> None:
         flat = self._flatten(b)
@@ -122,7 +127,7 @@ class GradReducer:
         self.sink(b, shard)
 
     def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        if not self.partitioned:
+        if not self.partitioned or b.layout.world == 1:  # D = 1: the flat buffer is the shard
             return comm.all_reduce_(flat)
         shard = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)
         return comm.reduce_scatter_(shard, flat)

@@ -65,29 +65,40 @@ class BucketRuntime:
     def _sink(self, bucket: Bucket, shard: torch.Tensor) -> None:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)
 
-    def _on_updated(self, key: str, shard: torch.Tensor) -> None:
+    def _on_updated(self, key: str, shard: torch.Tensor, owned: bool) -> None:
         # From pinned host memory this upload is asynchronous on the current stream, ordered
         # before the next forward; the host buffer is not reused before then (see step.py).
-        self._updated[key] = shard.to(self.device, self.dtype, non_blocking=True, copy=True)
+        # Already on the device in the compute dtype, the shard is used as it is: step() installs
+        # it before anything (the next step's Adam) can modify it.
+        moved = shard.to(self.device, self.dtype, non_blocking=True)
+        self._updated[key] = (moved, owned or moved is not shard)
 
     def step(self) -> bool:
         """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
         applied = self.shard_optimizer.finish_step()
         for b in self.buckets:
-            shard = self._updated.pop(b.key, None)
-            if shard is not None:
-                self._install(b, shard)
+            updated = self._updated.pop(b.key, None)
+            if updated is not None:
+                self._install(b, *updated)
         return applied
 
-    def _install(self, b: Bucket, shard: torch.Tensor) -> None:
-        """Compute copy of bucket `b` from this rank's updated shard (all-gathered at stage 1-2)."""
+    def _install(self, b: Bucket, shard: torch.Tensor, owned: bool = False) -> None:
+        """Compute copy of bucket `b` from this rank's updated shard (all-gathered at stage 1-2).
+
+        A flat buffer nobody else holds (`owned`: a fresh copy from the step, or the all-gather's
+        output) becomes the parameters' storage, which costs nothing; the store's own master
+        tensor, which the next step modifies in place, is copied instead."""
         full = shard
-        if not self.replicated:
+        if b.layout.world > 1:
             full = torch.empty(b.layout.padded_numel, dtype=self.dtype, device=self.device)
             comm.all_gather_(full, shard)
+            owned = True
         with torch.no_grad():
             for p, v in zip(b.params, b.layout.views(full)):
-                p.copy_(v)
+                if owned and p.is_contiguous() and p.dtype == v.dtype and p.device == v.device:
+                    p.data = v
+                else:
+                    p.copy_(v)
 
     def refresh_params(self) -> None:
         """Rebuild the compute copy from the master shards (after a checkpoint load)."""

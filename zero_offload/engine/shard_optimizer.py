@@ -53,10 +53,13 @@ class ShardOptimizer:
     """Owns this rank's optimizer state (fp32 master shard + m + v) per key, on the optimizer tier, and steps it."""
 
     def __init__(self, config: Config, device: torch.device,
-                 on_updated: Callable[[str, torch.Tensor], None] | None = None, *,
-                 capacity_bytes: int = 0, replicated: bool | None = None) -> None:
+                 on_updated: Callable[[str, torch.Tensor, bool], None] | None = None, *,
+                 capacity_bytes: int = 0, replicated: bool | None = None, stream_updates: bool = False) -> None:
         """`capacity_bytes` sizes NVMe files (optimizer state plus held gradients); `replicated`
-        (default: stage 0) says every rank holds the same shards, so norms are not summed."""
+        (default: stage 0) says every rank holds the same shards, so norms are not summed.
+        `on_updated(key, shard, owned)` receives each updated shard: in finish_step, on the
+        caller's thread, or with `stream_updates` as soon as the shard is stepped, on the step
+        worker (the callback must then be thread-safe and issue no collective)."""
         self.config = config
         self.device = torch.device(device)
         self.on_updated = on_updated
@@ -73,7 +76,9 @@ class ShardOptimizer:
         kernel = DeviceAdam() if config.tiers.optimizer == "device" else HostAdam(config.optimizer.threads)
         self.kernel_device = self.device if not kernel.host else torch.device("cpu")
         self.access = StateAccess(self.store, config.pinned_budget_bytes)
-        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._predict_next)
+        self.stream_updates = stream_updates and on_updated is not None
+        on_done = self._stream if self.stream_updates else None
+        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._predict_next, on_done)
         self.numel: dict[str, int] = {}
         self.decay: dict[str, bool] = {}
         self.steps: dict[str, int] = {}
@@ -134,8 +139,8 @@ class ShardOptimizer:
                 return False
             for job in self.pipeline.drain():
                 self.steps[job.key] = job.scalars.step
-                if self.on_updated is not None:
-                    self.on_updated(job.key, job.out)
+                if self.on_updated is not None and not self.stream_updates:
+                    self.on_updated(job.key, job.out, job.out_owned)
             self.optimizer.step()
             return True
         finally:
@@ -158,6 +163,10 @@ class ShardOptimizer:
         for key in self._arrived:
             self.pipeline.submit(Job(key, self.numel[key], self._held_loader(key), self._scalars(key, factor)))
         return True
+
+    def _stream(self, job: Job) -> None:
+        assert self.on_updated is not None
+        self.on_updated(job.key, job.out, job.out_owned)
 
     def _held_loader(self, key: str) -> Callable[[], torch.Tensor]:
         store, numel = self.grad_store, self.numel[key]

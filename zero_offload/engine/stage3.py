@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -40,6 +41,7 @@ from zero_offload.store import make_store
 from zero_offload.trace import tracer
 
 BLOCK = 4096
+WRITES_IN_FLIGHT = 4  # updated compute-copy shards written behind the step at once
 
 
 class Phase(enum.Enum):
@@ -71,7 +73,9 @@ class Stage3Runtime:
         self._make_units(plan, elem, shapes)
         self._check_budget(plan)
         opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
-        self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated,
+        # Updates stream to the params tier as each shard is stepped (under backward), so the
+        # updated shards are never all held at once and the step does not wait for their writes.
+        self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated, stream_updates=True,
                                               capacity_bytes=opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20))
         source = materialize.open_weights(weights) if weights else None
         filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights))
@@ -92,6 +96,7 @@ class Stage3Runtime:
         self.phase = Phase.IDLE
         self.boundary = True
         self._fresh: dict[str, torch.Tensor] = {}
+        self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
         self._reset_pass()
 
     # ---- construction ----
@@ -137,6 +142,7 @@ class Stage3Runtime:
             if g.trainable:
                 self.shard_optimizer.add_shard(g.key, shard)
             u.write_shard(g.key, shard)
+            u.settle_write(g.key)  # one shard in memory at a time: the model may exceed RAM
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in u.params():
             p.data = empty
@@ -309,10 +315,16 @@ class Stage3Runtime:
         self.prefetcher.warm_start()
         return applied
 
-    def _on_updated(self, key: str, shard: torch.Tensor) -> None:
+    def _on_updated(self, key: str, shard: torch.Tensor, owned: bool = False) -> None:  # noqa: ARG002
+        """On the step worker: start writing the new compute-copy shard (the next read of the key
+        waits for it); a resident unit keeps it to install at step()."""
         unit, _ = self.by_key[key]
         with tracer().span(f"write {unit.name}", "transfer"):
             unit.write_shard(key, shard)
+        self._writing.append((unit, key))
+        while len(self._writing) > WRITES_IN_FLIGHT:  # bounds the updated shards held in memory
+            old, old_key = self._writing.popleft()
+            old.settle_write(old_key)
         if unit.resident:  # it stays gathered: install the new values directly, no read back
             self._fresh[key] = shard
 
@@ -328,6 +340,7 @@ class Stage3Runtime:
         for key, (unit, g) in self.by_key.items():
             if g.trainable:
                 unit.write_shard(key, self.shard_optimizer.master(key))
+                unit.settle_write(key)
         self._fresh = {}
         self._regather_resident()
 
@@ -389,7 +402,11 @@ class Stage3Runtime:
         for h in self._handles:
             h.remove()
         self.prefetcher.close()
-        self.shard_optimizer.close()
-        self._accum.close()
-        self.params_store.close()
+        try:
+            self.shard_optimizer.close()
+            for u in self.units:
+                u.settle_writes()
+        finally:  # the files go even when a last write failed
+            self._accum.close()
+            self.params_store.close()
 

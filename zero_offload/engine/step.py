@@ -49,6 +49,7 @@ class Job:
     scalars: Scalars
     ready: Handle | None = None  # the gradient's own transfer (device → host), if any
     out: torch.Tensor | None = None  # filled: updated weights in the compute dtype
+    out_owned: bool = False  # out is a fresh tensor (not the store's master): the receiver may keep it
 
 
 class HostAdam:
@@ -183,11 +184,16 @@ class StepPipeline:
     """Runs jobs in order, on a worker thread for a host kernel, inline for a device kernel."""
 
     def __init__(self, kernel: HostAdam | DeviceAdam, access: StateAccess, out_dtype: torch.dtype,
-                 predict_next: Callable[[str | None, int], list[tuple[str, int]]]) -> None:
+                 predict_next: Callable[[str | None, int], list[tuple[str, int]]],
+                 on_done: Callable[[Job], None] | None = None) -> None:
+        """`on_done`, if given, receives each job as soon as it is stepped, on the thread that
+        stepped it (the worker, for a host kernel); the job's `out` is dropped afterwards, so
+        updated shards are not all held until the end of the step."""
         self.kernel = kernel
         self.access = access
         self.out_dtype = out_dtype
         self.predict_next = predict_next
+        self.on_done = on_done
         self.done: list[Job] = []
         self._error: BaseException | None = None
         self._queue: queue.Queue[Job | str | None] = queue.Queue()
@@ -263,10 +269,15 @@ class StepPipeline:
         if self.out_dtype == torch.float32:
             self.kernel(master, grad, m, v, job.scalars, None)
             job.out = master.clone() if staged is not None else master
+            job.out_owned = staged is not None
         else:
             pin = master.device.type == "cpu" and torch.cuda.is_available()  # so the upload is async
             job.out = torch.empty(job.numel, dtype=self.out_dtype, device=master.device, pin_memory=pin)
+            job.out_owned = True
             self.kernel(master, grad, m, v, job.scalars, job.out)
         self.access.release(job.key, job.numel, staged)
         job.grad = torch.empty(0)  # the gradient is consumed: free it now, not at drain()
+        if self.on_done is not None:
+            self.on_done(job)
+            job.out = None
         self.done.append(job)

@@ -34,7 +34,7 @@ from torch import nn
 
 from zero_offload import comm
 from zero_offload.partition import FlatLayout
-from zero_offload.store.base import Store
+from zero_offload.store.base import Handle, Store
 from zero_offload.store.resident import copy_async
 from zero_offload.trace import tracer
 
@@ -107,6 +107,7 @@ class Unit:
             if chosen:
                 self.groups.append(self._make_group(chosen, trainable))
         self._pending: Callable[[], None] | None = None
+        self._writes: dict[str, Handle] = {}  # shard writes in flight, by group key
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
         layout = FlatLayout.build([s for _, _, s in named], self.world)
@@ -155,6 +156,7 @@ class Unit:
                 self._read_shard(g.key, g.flat[lo:hi])
 
     def _read_shard(self, key: str, slot: torch.Tensor) -> None:
+        self.settle_write(key)
         if self.store.view(key) is not None:  # resident tier: one (possibly host->device) copy
             self.store.read(key, slot).wait()
             return
@@ -225,10 +227,25 @@ class Unit:
 
     # ---- shards ----
     def write_shard(self, key: str, values: torch.Tensor) -> None:
-        """Store a new compute-copy shard of group `key` (initial weights or an optimizer update)."""
-        self.store.write(key, values.to(self.dtype).reshape(-1)).wait()
+        """Start storing a new compute-copy shard of group `key` (initial weights or an optimizer
+        update). It completes in the background: the next read of `key` (or settle_writes) waits
+        for it, and an earlier write of the same key is finished first so writes never reorder."""
+        self.settle_write(key)
+        self._writes[key] = self.store.write(key, values.to(self.dtype).reshape(-1))
+
+    def settle_write(self, key: str) -> None:
+        """Finish the write of `key` in flight, if any (re-raising its failure)."""
+        handle = self._writes.pop(key, None)
+        if handle is not None:
+            handle.wait()
+
+    def settle_writes(self) -> None:
+        """Finish every shard write in flight (re-raising the first failure)."""
+        for key in list(self._writes):
+            self.settle_write(key)
 
     def read_shard(self, key: str) -> torch.Tensor:
+        self.settle_write(key)
         group = next(g for g in self.groups if g.key == key)
         out = torch.empty(group.layout.shard_numel, dtype=self.dtype)
         return self.store.read(key, out).wait()
@@ -242,12 +259,11 @@ class Unit:
         g = self.trainable
         if g is None:
             return None
-        full = torch.zeros(g.layout.padded_numel, dtype=self.dtype, device=self.device)
-        for p, view in zip(g.params, g.layout.views(full)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None
-        full.mul_(scale)
+        grads = [p.grad if p.grad is not None else torch.zeros(shape, dtype=self.dtype, device=self.device)
+                 for p, shape in zip(g.params, g.layout.shapes)]
+        for p in g.params:
+            p.grad = None
+        full = g.layout.flatten(grads, dtype=self.dtype, scale=scale)  # scaled while copying: one pass
         if self.world == 1:
             return full  # the whole flat buffer is the one shard: no copy
         shard = torch.empty(g.layout.shard_numel, dtype=self.dtype, device=self.device)

@@ -54,8 +54,26 @@ class Store(ABC):
         """Release `key`'s bytes."""
 
     @abstractmethod
+    def keys(self) -> list[str]:
+        """Every allocated key."""
+
+    @abstractmethod
+    def staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host-side buffer this store transfers fastest from and to (page-aligned for
+        NVMe, pinned where CUDA is): what the step pipeline stages non-addressable state in."""
+
+    @abstractmethod
     def bytes_retained(self) -> int:
         """Bytes this store holds now, padding included (the memory report's 'retained')."""
+
+    @abstractmethod
+    def peak_bytes(self) -> int:
+        """The high-water mark of bytes_retained()."""
+
+    def drive_traffic(self) -> tuple[int, int]:
+        """(bytes read from, bytes written to) the drive since the store opened: 0 for memory
+        tiers. Benchmarks print it to show that offloaded state really moved."""
+        return 0, 0
 
     def close(self) -> None:
         """Release everything (NVMe files are removed)."""

@@ -24,6 +24,8 @@ class NvmeStore(Store):
 
         self._swap = SwapStore(list(paths), name, rank, capacity_bytes=capacity_bytes, io=io)
         self._meta: dict[str, tuple[int, torch.dtype]] = {}
+        self._read_bytes = 0
+        self._written_bytes = 0
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
         if key in self._meta:
@@ -44,14 +46,17 @@ class NvmeStore(Store):
     def write(self, key: str, src: torch.Tensor) -> Handle:
         host = self._host(key, src).contiguous()
         fut = self._swap.write(key, host)
+        self._written_bytes += host.numel() * host.element_size()
         return Handle(fut.wait, src)
 
     def read(self, key: str, dst: torch.Tensor) -> Handle:
         if dst.device.type == "cpu" and dst.is_contiguous():
             fut = self._swap.read(key, self._host(key, dst))
+            self._read_bytes += dst.numel() * dst.element_size()
             return Handle(fut.wait, dst)
         bounce = self.staging_buffer(*self._meta[key])
         fut = self._swap.read(key, bounce)
+        self._read_bytes += bounce.numel() * bounce.element_size()
 
         def finish() -> None:
             fut.wait()
@@ -71,6 +76,9 @@ class NvmeStore(Store):
 
     def peak_bytes(self) -> int:
         return self.bytes_retained()
+
+    def drive_traffic(self) -> tuple[int, int]:
+        return self._read_bytes, self._written_bytes
 
     def close(self) -> None:
         self._swap.close()
