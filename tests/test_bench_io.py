@@ -64,7 +64,10 @@ def test_json_output_and_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFix
 def test_ctrl_c_removes_the_test_files(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "zero_offload.cli", "bench-io", "--path", str(tmp_path), "--size", "64MiB",
            "--block-sizes", "1MiB", "--rounds", "100", "--no-fio"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell's background job ignores SIGINT and children inherit that: restore the default so
+    # the child installs Python's handler however pytest itself was started.
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(p.startswith("zero_offload-bench-io-") for p in os.listdir(tmp_path)):
