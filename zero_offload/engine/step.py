@@ -91,6 +91,7 @@ class _Set:
 
     buffers: tuple[torch.Tensor, ...]
     key: str | None = None
+    stepping: bool = False  # handed out by acquire() and not yet released: never reused meanwhile
     reads: list[Handle] = field(default_factory=list)
     writes: list[Handle] = field(default_factory=list)
 
@@ -131,6 +132,9 @@ class StateAccess:
                           for _ in range(self.depth)]
         s = self._sets[self._turn % self.depth]
         self._turn += 1
+        if s.stepping:  # the shard being stepped may sit anywhere in the ring (a hit from an
+            s = self._sets[self._turn % self.depth]  # earlier step): take the next set instead
+            self._turn += 1
         s.settle()
         s.key = None
         return s
@@ -158,10 +162,12 @@ class StateAccess:
             self.prefetch(key, numel)
             hit = next(s for s in self._sets if s.key == key)
         hit.settle()
+        hit.stepping = True
         return tuple(b[:numel] for b in hit.buffers), hit
 
     def release(self, key: str, numel: int, staged: _Set | None) -> None:
         if staged is not None:
+            staged.stepping = False
             staged.writes = [self.store.write(f"{key}.{p}", b[:numel]) for p, b in zip(PARTS, staged.buffers)]
 
     def flush(self, *, after_error: bool = False) -> None:
@@ -176,7 +182,7 @@ class StateAccess:
                 if not after_error:
                     raise
                 s.reads, s.writes = [], []
-            s.key = None
+            s.key, s.stepping = None, False
         self._retired = []
 
 
