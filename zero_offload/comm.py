@@ -67,6 +67,21 @@ def all_gather_(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def all_gather_in_place_(full: torch.Tensor) -> torch.Tensor:
+    """`full` already holds this rank's shard at slot `rank`; fill the other ranks' slots.
+
+    NCCL gathers in place (the input is the output's own slot, as FSDP2 does); gloo's list form
+    needs an input apart from the outputs, so only there the slot is copied first."""
+    n = world_size()
+    if n == 1:
+        return full
+    slot = full.view(n, -1)[rank()]
+    if backend() == "nccl":
+        dist.all_gather_into_tensor(full, slot)
+        return full
+    return all_gather_(full, slot.clone())
+
+
 def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
     if is_distributed():
         dist.broadcast(t, src)

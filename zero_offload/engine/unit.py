@@ -175,11 +175,8 @@ class Unit:
             start = time.perf_counter_ns()
             wait()
             tracer().add(f"wait {self.name}", "wait", start, time.perf_counter_ns())
-        if self.world > 1:
-            with tracer().span(f"all-gather {self.name}", "comm"):
-                for g in self.groups:
-                    lo, hi = g.layout.shard_range(self.rank)
-                    comm.all_gather_(g.flat, g.flat[lo:hi].clone())
+        for g in self.groups:
+            self._all_gather(g)
         for g in self.groups:
             for p, view in zip(g.params, g.layout.views(g.flat)):
                 p.data = view
@@ -221,9 +218,13 @@ class Unit:
                 self._read_shard(g.key, g.flat[lo:hi])
             else:
                 copy_async(g.flat[lo:hi], values.to(self.dtype).reshape(-1)).wait()
-            if self.world > 1:
-                with tracer().span(f"all-gather {self.name}", "comm"):
-                    comm.all_gather_(g.flat, g.flat[lo:hi].clone())
+            self._all_gather(g)
+
+    def _all_gather(self, g: FlatGroup) -> None:
+        """The other ranks' slots of `g`'s flat buffer (this rank's slot is filled already)."""
+        if self.world > 1:
+            with tracer().span(f"all-gather {self.name}", "comm"):
+                comm.all_gather_in_place_(g.flat)
 
     # ---- shards ----
     def write_shard(self, key: str, values: torch.Tensor) -> None:
