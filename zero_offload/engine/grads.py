@@ -8,8 +8,8 @@ rank steps every bucket), at stages 1-2 reduce-scattered so each rank gets its g
 Buckets are reduced strictly in index order, so every rank issues the same collectives in the
 same order even when a parameter gets no gradient (it counts as zero, filled in at the end).
 
-Gradient accumulation: between boundaries, stage 0/1 adds the whole flat bucket into an
-accumulation buffer on the grads tier; stage 2 reduce-scatters every micro-batch and accumulates
+Gradient accumulation (accumulate.Accumulator): between boundaries, stage 0/1 adds the whole flat
+bucket into an accumulation buffer on the grads tier; stage 2 reduce-scatters every micro-batch and accumulates
 only its grad shard (that is the stage-2 saving). On the boundary micro-batch the reduced shard
 goes straight to `sink` (the step), with no buffer at all when there is no accumulation.
 """
@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from zero_offload import comm
+from zero_offload.engine.accumulate import Accumulator
 from zero_offload.partition import FlatLayout
-from zero_offload.store.base import Store
 
 
 @dataclass
@@ -58,12 +58,12 @@ class GradReducer:
     """Owns the bucket hooks and reductions of one model; hands each grad shard to `sink`."""
 
     def __init__(self, buckets: list[Bucket], *, partitioned: bool, accumulate_shard: bool,
-                 accum_store: Store, dtype: torch.dtype, scale: float,
+                 accumulator: Accumulator, dtype: torch.dtype, scale: float,
                  sink: Callable[[Bucket, torch.Tensor], None]) -> None:
         self.buckets = buckets
         self.partitioned = partitioned  # reduce-scatter (stage 1-2) or all-reduce (stage 0)
         self.accumulate_shard = accumulate_shard  # stage 2: accumulate after reduce-scatter
-        self.store = accum_store
+        self.accumulator = accumulator
         self.dtype = dtype
         self.scale = scale
         self.sink = sink
@@ -71,7 +71,6 @@ class GradReducer:
         self.active = False
         self.boundary = True
         self._next = 0
-        self._has_acc: set[str] = set()
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
 
@@ -86,8 +85,6 @@ class GradReducer:
             self._launch(self.buckets[self._next])
             self._next += 1
         self.active = False
-        if self.boundary:
-            self._has_acc.clear()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.active:
@@ -115,13 +112,13 @@ class GradReducer:
     def _launch(self, b: Bucket) -> None:
         flat = self._flatten(b)
         if not self.accumulate_shard:
-            flat = self._accumulate(b.key, flat)
+            flat = self.accumulator.add(b.key, flat, self.boundary)
             if flat is None:
                 return
         shard = self._reduce(b, flat)
         del flat
         if self.accumulate_shard:
-            shard = self._accumulate(b.key, shard)
+            shard = self.accumulator.add(b.key, shard, self.boundary)
             if shard is None:
                 return
         self.sink(b, shard)
@@ -131,28 +128,6 @@ class GradReducer:
             return comm.all_reduce_(flat)
         shard = torch.empty(b.layout.shard_numel, dtype=flat.dtype, device=flat.device)
         return comm.reduce_scatter_(shard, flat)
-
-    def _accumulate(self, key: str, t: torch.Tensor) -> torch.Tensor | None:
-        """Add `t` to key's accumulation buffer; return the sum on the boundary, else None."""
-        if key in self._has_acc:
-            t = t + self._load(key).to(t.device)
-        if self.boundary:
-            return t
-        if key not in self.store.keys():
-            self.store.allocate(key, t.numel(), t.dtype)
-        self.store.write(key, t).wait()
-        self._has_acc.add(key)
-        return None
-
-    def _load(self, key: str) -> torch.Tensor:
-        view = self.store.view(key)
-        if view is not None:
-            return view
-        return self.store.read(key, torch.empty(self._numel(key), dtype=self.dtype)).wait()
-
-    def _numel(self, key: str) -> int:
-        b = self.buckets[int(key[len("bucket"):])]
-        return b.layout.shard_numel if self.accumulate_shard else b.layout.padded_numel
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -17,6 +17,7 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config
+from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.store import make_store
@@ -40,11 +41,11 @@ class BucketRuntime:
             master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=device)
             b.layout.shard_from([p.detach() for p in b.params], self.owner, master)
             self.shard_optimizer.add_shard(b.key, master)
-        self.accum_store = make_store(config.tiers.grads, "gradient-accumulation", config, device=device,
-                                      rank=self.rank, capacity_bytes=opt_bytes + (1 << 20))
+        self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
+                                                  device=device, rank=self.rank, capacity_bytes=opt_bytes + (1 << 20)))
         scale = 1.0 / (self.world * config.gradient_accumulation_steps)
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
-                                   accumulate_shard=config.stage == 2, accum_store=self.accum_store,
+                                   accumulate_shard=config.stage == 2, accumulator=self.accumulator,
                                    dtype=self.dtype, scale=scale, sink=self._sink)
         self._updated: dict[str, torch.Tensor] = {}
 
@@ -119,7 +120,7 @@ class BucketRuntime:
         """(bytes held now, high-water mark) of the engine's own allocations, by (group, tier)."""
         weights = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
         so = self.shard_optimizer
-        grads = [so.grad_store, self.accum_store]
+        grads = [so.grad_store, self.accumulator.store]
         return {("weights", self.config.tiers.params): (weights, weights),
                 ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
                 ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
@@ -138,4 +139,4 @@ class BucketRuntime:
     def close(self) -> None:
         self.reducer.remove()
         self.shard_optimizer.close()
-        self.accum_store.close()
+        self.accumulator.close()

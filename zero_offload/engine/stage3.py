@@ -33,6 +33,7 @@ from torch import nn
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
+from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.prefetch import Prefetcher
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
@@ -90,9 +91,8 @@ class Stage3Runtime:
         self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
         self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
         self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
-        self._accum = make_store(config.tiers.grads, "gradient-accumulation", config, device=self.device,
-                                 rank=self.rank, capacity_bytes=(1 << 20))  # NVMe files grow when accumulation needs them
-        self._has_accum: set[str] = set()
+        self._accum = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config, device=self.device,
+                                             rank=self.rank, capacity_bytes=(1 << 20)))  # NVMe files grow on demand
         self.phase = Phase.IDLE
         self.boundary = True
         self._fresh: dict[str, torch.Tensor] = {}
@@ -230,26 +230,13 @@ class Stage3Runtime:
             return
         self._done.add(u.index)
         shard = u.reduce_grads(self.scale)
+        if shard is not None:  # off the boundary it only goes into the accumulation buffer
+            shard = self._accum.add(u.trainable.key, shard, self.boundary)
         if shard is not None:
-            self._deliver(u.trainable.key, shard)
+            self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
         if u.index in self._held:
             self._held.discard(u.index)
             self._unacquire(u)
-
-    def _deliver(self, key: str, shard: torch.Tensor) -> None:
-        """Grad shard -> the optimizer on the boundary, else into the accumulation buffer."""
-        if key in self._has_accum:
-            view = self._accum.view(key)
-            prev = view if view is not None else self._accum.read(key, torch.empty_like(shard)).wait()
-            shard = shard + prev.to(shard.device)
-        if self.boundary:
-            self._has_accum.discard(key)
-            self.shard_optimizer.grad_ready(key, shard, owned=True)
-            return
-        if key not in self._accum.keys():
-            self._accum.allocate(key, shard.numel(), shard.dtype)
-        self._accum.write(key, shard).wait()
-        self._has_accum.add(key)
 
     # ---- passes ----
     def _reset_pass(self) -> None:
@@ -362,7 +349,7 @@ class Stage3Runtime:
         """(bytes held now, high-water mark) by (group, tier): the params tier holds the compute-copy
         shards; gathered units are reported by extras()."""
         so, ps = self.shard_optimizer, self.params_store
-        grads = [so.grad_store, self._accum]
+        grads = [so.grad_store, self._accum.store]
         return {("weights", self.config.tiers.params): (ps.bytes_retained(), ps.peak_bytes()),
                 ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
                 ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),

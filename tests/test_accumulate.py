@@ -1,0 +1,61 @@
+"""accumulate.Accumulator: partial sums per key on a grads-tier store (cpu and nvme)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from zero_offload.config import Config
+from zero_offload.engine.accumulate import Accumulator
+from zero_offload.store import make_store
+
+
+@pytest.fixture(params=["cpu", "nvme"])
+def accumulator(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Accumulator]:
+    if request.param == "nvme":
+        pytest.importorskip("zero_offload.io.swap")
+    config = Config(nvme_paths=(str(tmp_path),))
+    store = make_store(request.param, "gradient-accumulation", config, device=torch.device("cpu"),
+                       capacity_bytes=1 << 20)
+    acc = Accumulator(store)
+    yield acc
+    acc.close()
+
+
+def micro_batches(n: int, numel: int = 1000, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    return [torch.randn(numel, generator=gen).to(dtype) for _ in range(n)]
+
+
+def test_non_boundary_writes_and_boundary_returns_the_sum(accumulator: Accumulator) -> None:
+    grads = micro_batches(3)
+    expected = grads[2] + (grads[1] + grads[0])  # the order the engine always added in
+    assert accumulator.add("k", grads[0].clone(), boundary=False) is None
+    assert accumulator.add("k", grads[1].clone(), boundary=False) is None
+    assert "k" in accumulator.store.keys()
+    last = grads[2].clone()
+    total = accumulator.add("k", last, boundary=True)
+    assert total is last  # summed in place into the handed-over tensor
+    assert torch.equal(total, expected)
+
+
+def test_key_is_forgotten_after_the_boundary(accumulator: Accumulator) -> None:
+    a, b, c = micro_batches(3, dtype=torch.bfloat16)
+    accumulator.add("k", a.clone(), boundary=False)
+    assert torch.equal(accumulator.add("k", b.clone(), boundary=True), b + a)
+    # the next cycle starts from nothing: the old buffer is neither added nor cleared
+    assert torch.equal(accumulator.add("k", c.clone(), boundary=True), c)
+    accumulator.add("k", c.clone(), boundary=False)  # the allocated buffer is reused
+    assert torch.equal(accumulator.add("k", a.clone(), boundary=True), a + c)
+    assert accumulator.store.keys() == ["k"]
+
+
+def test_keys_accumulate_independently(accumulator: Accumulator) -> None:
+    a, b = micro_batches(2, numel=64), micro_batches(2, numel=4097)
+    accumulator.add("a", a[0].clone(), boundary=False)
+    accumulator.add("b", b[0].clone(), boundary=False)
+    assert torch.equal(accumulator.add("b", b[1].clone(), boundary=True), b[1] + b[0])
+    assert torch.equal(accumulator.add("a", a[1].clone(), boundary=True), a[1] + a[0])
+    assert sorted(accumulator.store.keys()) == ["a", "b"]
