@@ -36,8 +36,10 @@ def test_tiny_run_reports_every_part_and_full_drive_traffic(tmp_path: Path, caps
     # read before and written after its update, every step.
     assert result["drive_bytes_per_step"]["read"] == pytest.approx(state)
     assert result["drive_bytes_per_step"]["written"] == pytest.approx(state)
-    assert result["step_over_largest"] == pytest.approx(
+    assert result["step_over_largest_of_medians"] == pytest.approx(
         result["seconds"]["step"] / max(result["seconds"][k] for k in ("fwd+bwd", "cpu adam", "nvme")))
+    ratios = result["step_over_largest_per_round"]
+    assert len(ratios) == 1 and result["step_over_largest"] == pytest.approx(ratios[0])
     assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
 
 
@@ -46,3 +48,8 @@ def test_table_names_the_traffic_and_the_ratio(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     for label in ("fwd+bwd", "cpu adam", "nvme", "serial step", "drive traffic per step", "step / largest part"):
         assert label in out, out
+
+
+def test_round_ratios_pair_each_step_with_its_own_round() -> None:
+    times = {"step": [2.0, 3.0], "fwd+bwd": [1.0, 3.0], "cpu adam": [0.5, 0.5], "nvme": [1.6, 1.0]}
+    assert bench_step._round_ratios(times, ("fwd+bwd", "cpu adam", "nvme")) == [1.25, 1.0]
