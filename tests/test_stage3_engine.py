@@ -59,6 +59,65 @@ def test_meta_model_from_weights_resumes_bit_for_bit_and_consolidates(tmp_path: 
     assert torch.equal(plain.tok.weight, got_sd["tok.weight"]) and plain.head.weight is plain.tok.weight
 
 
+@pytest.mark.parametrize("params_tier", ["cpu", "nvme"])
+def test_checkpoint_restores_frozen_parameters_inside_units(tmp_path: object, params_tier: str) -> None:
+    """frozen_gain lives in the root unit (sharded, no master): the checkpoint must carry it, so a
+    run resumed from weights whose frozen values differ continues exactly as the original."""
+    cfg = {**CFG, "tiers": {**CFG["tiers"], "params": params_tier}, "nvme_paths": [str(tmp_path)]}
+    weights, other = os.path.join(str(tmp_path), "w.pt"), os.path.join(str(tmp_path), "other.pt")
+    torch.save(make_model().state_dict(), weights)
+    changed = make_model().state_dict()
+    changed["frozen_gain"] = changed["frozen_gain"] * 3.0
+    torch.save(changed, other)
+
+    def engine(path: str) -> zero_offload.engine.engine.Engine:
+        with torch.device("meta"):
+            model = make_model()
+        return zero_offload.initialize(model, cfg, weights=path)
+
+    straight = engine(weights)
+    want = _train(straight, range(5))
+    straight.close()
+    first = engine(weights)
+    got = _train(first, range(3))
+    first.save_checkpoint(os.path.join(str(tmp_path), "ckpt"))
+    first.close()
+    resumed = engine(other)
+    resumed.load_checkpoint(os.path.join(str(tmp_path), "ckpt"))
+    got += _train(resumed, range(3, 5))
+    gain = resumed.consolidated_state_dict()["frozen_gain"]
+    resumed.close()
+    assert got == want
+    assert torch.equal(gain, make_model().frozen_gain.detach())
+
+
+def _save_frozen_at_d2(rank: int, world: int, tmp: str) -> None:
+    with torch.device("meta"):
+        model = make_model()
+    engine = zero_offload.initialize(model, CFG, weights=os.path.join(tmp, "w.pt"))
+    _train(engine, range(3))
+    engine.save_checkpoint(os.path.join(tmp, "ckpt"))
+    engine.close()
+
+
+def test_frozen_shards_saved_at_d2_load_at_d1(tmp_path: object) -> None:
+    from _dist import run_ranks
+
+    tmp = str(tmp_path)
+    torch.save(make_model().state_dict(), os.path.join(tmp, "w.pt"))
+    changed = make_model().state_dict()
+    changed["frozen_gain"] = changed["frozen_gain"] * 3.0
+    torch.save(changed, os.path.join(tmp, "other.pt"))
+    run_ranks(_save_frozen_at_d2, 2, tmp=tmp)
+    with torch.device("meta"):
+        model = make_model()
+    engine = zero_offload.initialize(model, CFG, weights=os.path.join(tmp, "other.pt"))
+    engine.load_checkpoint(os.path.join(tmp, "ckpt"))
+    gain = engine.consolidated_state_dict()["frozen_gain"]
+    engine.close()
+    assert torch.equal(gain, make_model().frozen_gain.detach())
+
+
 def test_meta_model_below_stage_3_is_refused() -> None:
     with torch.device("meta"):
         model = make_model()

@@ -7,9 +7,11 @@ Layout of a checkpoint directory:
   rank{r}.json           rank r's shard map: for each shard key, which element ranges of which
                          parameters it holds (this is what lets a different D or bucketing load it)
   rank{r}.{key}.pt       master, m, v of one shard (one file per shard, so saving an NVMe-tier
-                         state needs one shard in RAM at a time; read through the store)
+                         state needs one shard in RAM at a time; read through the store); for a
+                         frozen group inside a stage-3 unit, its compute-copy shard ("value"),
+                         listed in rank{r}.json's frozen_map and resharded the same way
   rank{r}.rng.pt         that rank's RNG states (restored only when the world size is unchanged)
-  model.pt               buffers and frozen parameters
+  model.pt               buffers and frozen parameters that live in the module itself
 All .pt files hold plain tensors only and are read with torch.load(weights_only=True).
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
@@ -75,7 +77,7 @@ def _non_trainable(engine: "Engine") -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters that live in the module itself.
 
     At stage 3 frozen parameters inside units are sharded and released between uses (their tensor
-    is empty here); they are not saved: they come back from initialize's init_fn/weights.
+    is empty here); they are saved shard by shard instead (the runtime's frozen_map).
     """
     trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
     in_units = set()
@@ -102,7 +104,12 @@ def save(engine: "Engine", path: str) -> None:
             files[name] = _save_tensors({p: opt.read_part(key, p) for p in PARTS}, os.path.join(tmp, name))
             if i == 0 and os.environ.get(PAUSE_ENV):
                 time.sleep(float(os.environ[PAUSE_ENV]))
-        _write_json({"shard_map": shard_map, "files": files}, os.path.join(tmp, f"rank{rank}.json"))
+        frozen_map = rt.frozen_map()
+        for key in frozen_map:
+            name = f"rank{rank}.{key}.pt"
+            files[name] = _save_tensors({"value": rt.read_frozen(key)}, os.path.join(tmp, name))
+        _write_json({"shard_map": shard_map, "frozen_map": frozen_map, "files": files},
+                    os.path.join(tmp, f"rank{rank}.json"))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -126,6 +133,7 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
                 "precision": engine.config.precision.dtype, "writers": writers,
                 "micro_step": engine.micro_step, "global_steps": engine.global_steps,
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
+                "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
                 "files": files}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
     _fsync_file(tmp)
@@ -189,6 +197,7 @@ def load(engine: "Engine", path: str) -> None:
             for name, poff, soff, n in pieces:
                 _fill(out, soff, name, poff, n, index, reader, part)
             opt.write_part(key, part, out)
+    _load_frozen(engine, root, manifest, reader)
     _load_non_trainable(engine, reader.get("model.pt"))
     same_world = manifest["world"] == comm.world_size()
     opt.load_scalars(manifest["optimizer"], same_layout=same_world)
@@ -203,12 +212,31 @@ def load(engine: "Engine", path: str) -> None:
     comm.barrier()
 
 
-def _old_pieces(root: str, writers: list[int]) -> dict[str, list[tuple[str, int, int, int]]]:
+def _load_frozen(engine: "Engine", root: str, manifest: dict[str, Any], reader: _Reader) -> None:
+    """Stage-3 frozen groups: their shards, resharded like the optimizer's. A checkpoint written
+    before frozen shards were saved has no frozen_shapes: their values stay as initialized."""
+    rt = engine.runtime
+    if "frozen_shapes" not in manifest:
+        return
+    shapes = {k: tuple(v) for k, v in rt.frozen_shapes().items()}
+    saved = {k: tuple(v) for k, v in manifest["frozen_shapes"].items()}
+    if shapes != saved:
+        diff = sorted(set(shapes.items()) ^ set(saved.items()))[:3]
+        raise CheckpointError(f"checkpoint {root} does not match the model's frozen parameters: {diff}")
+    index = _old_pieces(root, manifest["writers"], "frozen_map")
+    for key, pieces in rt.frozen_map().items():
+        out = rt.read_frozen(key).clone()  # the shard's size, dtype and padding; every piece is overwritten
+        for name, poff, soff, n in pieces:
+            _fill(out, soff, name, poff, n, index, reader, "value")
+        rt.write_frozen(key, out)
+
+
+def _old_pieces(root: str, writers: list[int], which: str = "shard_map") -> dict[str, list[tuple[str, int, int, int]]]:
     """param name -> [(shard file, param_offset, shard_offset, numel)] over every saved shard."""
     index: dict[str, list[tuple[str, int, int, int]]] = {}
     for r in writers:
         with open(os.path.join(root, f"rank{r}.json")) as f:
-            shard_map = json.load(f)["shard_map"]
+            shard_map = json.load(f).get(which, {})
         for key, pieces in shard_map.items():
             for name, poff, soff, n in pieces:
                 index.setdefault(name, []).append((f"rank{r}.{key}.pt", poff, soff, n))

@@ -8,6 +8,7 @@ checkpoints (`shard_map`) so checkpoint.py never looks inside a stage.
 Runtime interface used by engine.py and checkpoint.py:
   begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
   shard_map() -> {key: [(param_name, param_offset, shard_offset, numel), ...]} for this rank
+  frozen_map() / frozen_shapes(): the same for frozen state kept outside the module (stage 3 only)
   param_shapes() -> {param_name: shape}; replicated: bool; refresh_params() (compute copy from masters)
   retained() -> {(group, tier): bytes}; extras() -> {name: bytes}; trainable_numel() -> int
 """
@@ -109,6 +110,14 @@ class BucketRuntime:
     def shard_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
         return {b.key: [(b.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel)
                         for pc in b.layout.pieces(self.owner)] for b in self.buckets}
+
+    def frozen_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
+        """No frozen state outside the module at stages 0-2: frozen parameters stay in the model
+        (checkpoints save them with the buffers)."""
+        return {}
+
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for b in self.buckets for n, p in zip(b.names, b.params)}

@@ -3,9 +3,11 @@
 Stage3Runtime provides the runtime interface the Engine drives (the same as runtime.BucketRuntime):
     Stage3Runtime(model, config, device, *, init_fn=None, weights=None)
     begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
-    shard_map() / param_shapes() / replicated / refresh_params() / retained() / extras()
+    shard_map() / frozen_map() / frozen_shapes() / param_shapes() / replicated / refresh_params()
+    retained() / extras()
     trainable_numel() / close()
-plus, for stage 3 only: consolidated_state_dict() (collective; full fp32 weights by name),
+plus, for stage 3 only: read_frozen() / write_frozen() (frozen groups' shards, for checkpoints),
+consolidated_state_dict() (collective; full fp32 weights by name),
 stats() (live budget, peak gathered bytes, fetch counts) and `units`.
 The Engine calls the model itself; forward hooks do the rest. A pass starts at the model's
 forward pre-hook and ends at end_backward (or at the next forward, for a forward-only pass).
@@ -329,15 +331,42 @@ class Stage3Runtime:
                 unit.write_shard(key, self.shard_optimizer.master(key))
                 unit.settle_write(key)
         self._fresh = {}
-        self._regather_resident()
+        for u in self.units:
+            if u.resident:  # frozen groups too: a checkpoint load may have rewritten them
+                u.install_shards({}, frozen_too=True)
+
+    def write_frozen(self, key: str, values: torch.Tensor) -> None:
+        """Replace the compute-copy shard of a frozen group (a checkpoint load); refresh_params,
+        which follows every load, re-gathers resident units."""
+        unit, g = self.by_key[key]
+        if g.trainable:
+            raise KeyError(f"stage 3: {key!r} is trainable; its values come from the optimizer's master shard")
+        unit.write_shard(key, values)
+        unit.settle_write(key)
+
+    def read_frozen(self, key: str) -> torch.Tensor:
+        """This rank's compute-copy shard of a frozen group (what a checkpoint saves)."""
+        unit, _ = self.by_key[key]
+        return unit.read_shard(key)
 
     # ---- descriptions for checkpoints and the memory report ----
     def _trainable(self) -> list[tuple[Unit, FlatGroup]]:
         return [(u, u.trainable) for u in self.units if u.trainable is not None]
 
     def shard_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
-        return {g.key: [(g.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel)
-                        for pc in g.layout.pieces(self.rank)] for _, g in self._trainable()}
+        return {g.key: self._pieces(g) for _, g in self._trainable()}
+
+    def frozen_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
+        """Like shard_map, for the frozen groups inside units: their compute copy is their only
+        copy, so checkpoints save it from here (sharded, resharded on load like the rest)."""
+        return {g.key: self._pieces(g) for u in self.units for g in u.groups if not g.trainable}
+
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(s) for u in self.units for g in u.groups if not g.trainable
+                for n, s in zip(g.names, g.layout.shapes)}
+
+    def _pieces(self, g: FlatGroup) -> list[tuple[str, int, int, int]]:
+        return [(g.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel) for pc in g.layout.pieces(self.rank)]
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(s) for _, g in self._trainable() for n, s in zip(g.names, g.layout.shapes)}

@@ -204,15 +204,16 @@ class Unit:
                 p.data = empty
             g.flat.untyped_storage().resize_(0)
 
-    def install_shards(self, shards: dict[str, torch.Tensor | None]) -> None:
+    def install_shards(self, shards: dict[str, torch.Tensor | None], *, frozen_too: bool = False) -> None:
         """A GATHERED (resident) unit takes new shards in place: given ones are copied into this
-        rank's slot, missing ones (None) are read from the store; then the all-gather (collective)."""
+        rank's slot, missing ones (None) are read from the store; then the all-gather (collective).
+        Frozen groups are skipped unless `frozen_too` (after a checkpoint load rewrote them)."""
         if self.state is not UnitState.GATHERED:
             raise RuntimeError(f"unit '{self.name}': install_shards needs state gathered, it is {self.state.value}")
         for g in self.groups:
             lo, hi = g.layout.shard_range(self.rank)
             values = shards.get(g.key)
-            if values is None and not g.trainable:
+            if values is None and not g.trainable and not frozen_too:
                 continue  # frozen values never change
             if values is None:
                 self._read_shard(g.key, g.flat[lo:hi])
