@@ -29,7 +29,8 @@ class Accumulator:
         """Add `t` (handed over: modified in place) to key's partial sum. On the boundary return
         the sum and forget the key; otherwise store the sum and return None."""
         if key in self._partial:
-            t = t.add_(self._load(key).to(t.device))
+            prev = self._load(key)  # from pinned memory the upload need not block the CPU
+            t = t.add_(prev.to(t.device, non_blocking=prev.is_pinned()))
         if boundary:
             self._partial.discard(key)
             return t

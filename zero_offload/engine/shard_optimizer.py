@@ -76,7 +76,9 @@ class ShardOptimizer:
         kernel = DeviceAdam() if config.tiers.optimizer == "device" else HostAdam(config.optimizer.threads)
         self.kernel_device = self.device if not kernel.host else torch.device("cpu")
         self.access = StateAccess(self.store, config.pinned_budget_bytes)
-        self.stream_updates = stream_updates and on_updated is not None
+        # Only a host kernel streams: its callback runs on the worker. A device kernel runs inline
+        # in backward's hooks, where waiting on a write would stall the CPU behind the GPU.
+        self.stream_updates = stream_updates and on_updated is not None and kernel.host
         on_done = self._stream if self.stream_updates else None
         self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._predict_next, on_done)
         self.numel: dict[str, int] = {}

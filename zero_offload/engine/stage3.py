@@ -304,12 +304,16 @@ class Stage3Runtime:
         self.prefetcher.warm_start()
         return applied
 
-    def _on_updated(self, key: str, shard: torch.Tensor, owned: bool = False) -> None:  # noqa: ARG002
+    def _on_updated(self, key: str, shard: torch.Tensor, owned: bool = False) -> None:
         """On the step worker: start writing the new compute-copy shard (the next read of the key
-        waits for it); a resident unit keeps it to install at step()."""
+        waits for it); a resident unit keeps it to install at step(). A shard that is the
+        optimizer's own master (`owned` False), which the next step rewrites in place, is
+        written to the end at once."""
         unit, _ = self.by_key[key]
         with tracer().span(f"write {unit.name}", "transfer"):
             unit.write_shard(key, shard)
+            if not owned:
+                unit.settle_write(key)
         self._writing.append((unit, key))
         while len(self._writing) > WRITES_IN_FLIGHT:  # bounds the updated shards held in memory
             old, old_key = self._writing.popleft()

@@ -108,6 +108,7 @@ class Unit:
                 self.groups.append(self._make_group(chosen, trainable))
         self._pending: Callable[[], None] | None = None
         self._writes: dict[str, Handle] = {}  # shard writes in flight, by group key
+        self._write_lock = threading.Lock()
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
         layout = FlatLayout.build([s for _, _, s in named], self.world)
@@ -232,14 +233,23 @@ class Unit:
         """Start storing a new compute-copy shard of group `key` (initial weights or an optimizer
         update). It completes in the background: the next read of `key` (or settle_writes) waits
         for it, and an earlier write of the same key is finished first so writes never reorder."""
-        self.settle_write(key)
-        self._writes[key] = self.store.write(key, values.to(self.dtype).reshape(-1))
+        with self._write_lock:
+            self._settle_locked(key)
+            self._writes[key] = self.store.write(key, values.to(self.dtype).reshape(-1))
 
     def settle_write(self, key: str) -> None:
-        """Finish the write of `key` in flight, if any (re-raising its failure)."""
-        handle = self._writes.pop(key, None)
+        """Finish the write of `key` in flight, if any (re-raising its failure). Thread-safe: the
+        step worker writes, the prefetch thread and the main thread read."""
+        with self._write_lock:
+            self._settle_locked(key)
+
+    def _settle_locked(self, key: str) -> None:
+        handle = self._writes.get(key)
         if handle is not None:
-            handle.wait()
+            try:
+                handle.wait()
+            finally:  # forgotten only once it has ended: no reader passes a write still in flight
+                del self._writes[key]
 
     def settle_writes(self) -> None:
         """Finish every shard write in flight (re-raising the first failure)."""
