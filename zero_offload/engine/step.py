@@ -11,6 +11,7 @@ being read (predicted from the previous step's order; the first ones already dur
 shard i-1 is being written. A set is reused only after its previous write completed; the writes of the
 last shards are not waited for at the end of the step, so they overlap the next forward. A set
 that still holds a key is that shard's newest copy, so nothing ever reads behind a pending write.
+The set handed out for the shard being stepped is never taken for a prefetch until it is released.
 """
 from __future__ import annotations
 
