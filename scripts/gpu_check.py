@@ -3,23 +3,46 @@
 
 1. Stages 0-2 x optimizer tier (device, cpu, nvme) x fp32/bf16: 20 steps of the tests' TinyLM on
    the GPU against the single-process reference on the same GPU (same tolerances as the CPU tests),
-   and fp16 with one poisoned step that must be skipped.
-2. Overlap: a residual MLP stack on the GPU with the optimizer on pinned CPU (and on nvme): fwd+bwd
+   one stage-2 row with gradient_accumulation_steps=2, and fp16 with one poisoned step that must be
+   skipped.
+2. Stage 3 on a tiny model defined here (tied embedding/head, a frozen parameter, a block called
+   twice, a checkpointed block; one unit per block): every allowed params tier x optimizer tier
+   pair of device/cpu/nvme in fp32 (losses and weights within 1e-5 relative), three bf16 rows (the
+   stages 0-2 bf16 tolerance: losses 3e-3 relative, every element 5 x lr absolute, see
+   tests/test_engine_matrix.py), one row with gradient_accumulation_steps=2 and one with
+   stage3.resident_bytes keeping the root unit resident. These run the updated shards written to
+   the params tier from the step worker (Unit write/settle); each row also checks that the peak
+   gathered bytes stayed within the live budget.
+3. Overlap: a residual MLP stack on the GPU with the optimizer on pinned CPU (and on nvme): fwd+bwd
    alone, CPU Adam alone, the overlapped step and the serial step (overlap_step off), measured
    round-robin in one run. The overlapped step should be close to max(fwd+bwd, adam).
-Exit status 0 when every equivalence check passed. Run: python scripts/gpu_check.py [--nvme DIR]
+
+Every row runs even after one fails (device time is scarce). Exit status 0 when every row passed,
+1 otherwise, 2 when it cannot run. Run: python scripts/gpu_check.py [--nvme DIR]
+CI: python scripts/gpu_check.py --cpu-dry-run runs the same rows on the CPU (CUDA hidden)
+and the overlap code once at a tiny size without timing, so the script cannot rot unnoticed.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-import torch
+if "--cpu-dry-run" in sys.argv[1:]:
+    # Before torch first looks for CUDA: the engine computes on CUDA whenever it sees a GPU.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
@@ -27,50 +50,249 @@ import zero_offload  # noqa: E402
 from _engine_model import batch, make_model, reference_run  # noqa: E402
 from test_engine_matrix import LR, TOL, compare  # noqa: E402
 
+WD, ROWS = 0.01, 4
+TIERS = ("device", "cpu", "nvme")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Check = Callable[[], None]  # raises when its row fails
+Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
-def equivalence(nvme: str) -> list[str]:
+
+@dataclass(frozen=True)
+class Run:
+    """Where the equivalence rows run and for how long."""
+
+    device: str  # "cuda", or "cpu" for the dry run
+    nvme: str  # directory for the nvme tier
+    steps: int
+
+
+# ---- running rows -------------------------------------------------------------------------------
+
+def _fail_line(tag: str, exc: BaseException) -> str:
+    """One line naming the row; a crash keeps its exception type, a mismatch only its message."""
+    text = (str(exc).splitlines() or [""])[0]
+    if not isinstance(exc, AssertionError):
+        text = f"{type(exc).__name__}: {text}"
+    return text if text.startswith(tag) else f"{tag}: {text}"
+
+
+def run_rows(rows: list[tuple[str, Check]]) -> list[str]:
+    """Run every row, printing ok/FAIL as it goes: one broken row must not hide the others."""
     failures = []
-    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        ref_losses, ref_w = reference_run(20, 4, dtype, lr=LR, device="cuda")
-        for stage in (0, 1, 2):
-            for tier in ("device", "cpu", "nvme"):
-                tag = f"cuda stage={stage} tier={tier} {precision}"
-                cfg = dict(stage=stage, precision={"dtype": precision}, bucket_bytes=6000,
-                           tiers={"optimizer": tier, "grads": tier}, optimizer={"lr": LR, "weight_decay": 0.01},
-                           nvme_paths=[nvme] if tier == "nvme" else [])
-                engine = zero_offload.initialize(make_model(), cfg)
-                losses = []
-                for step in range(20):
-                    x, y = batch(step, 4)
-                    loss = engine(x.cuda(), y.cuda())
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(float(loss))
-                try:
-                    compare(tag, losses, engine.consolidated_state_dict(), ref_losses, ref_w, TOL[precision])
-                    print(f"ok    {tag}")
-                except AssertionError as exc:
-                    failures.append(str(exc))
-                    print(f"FAIL  {exc}")
-                engine.close()
-    failures += fp16_skip()
+    for tag, check in rows:
+        t0 = time.perf_counter()
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - any crash is this row's failure
+            failures.append(_fail_line(tag, exc))
+            print(f"FAIL  {failures[-1]}", flush=True)
+        else:
+            print(f"ok    {tag}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return failures
 
 
-def fp16_skip() -> list[str]:
+def nvme_paths(run: Run, *tiers: str) -> list[str]:
+    return [run.nvme] if "nvme" in tiers else []
+
+
+def train(engine: zero_offload.engine.engine.Engine, batches: Batches, run: Run,
+          micro: int) -> tuple[list[float], list[bool]]:
+    """`run.steps` optimizer steps, each over `micro` equal micro-batches of the step's batch;
+    returns the per-step mean losses (comparable with the reference's) and engine.step()'s results."""
+    losses, applied = [], []
+    for step in range(run.steps):
+        x, y = batches(step)
+        total = 0.0
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            loss = engine(xm.to(run.device), ym.to(run.device))
+            engine.backward(loss)
+            applied.append(engine.step())
+            total += float(loss.detach())
+        losses.append(total / micro)
+    return losses, applied
+
+
+def check_applied(applied: list[bool], micro: int, steps: int) -> None:
+    """Only the last micro-batch of each accumulation cycle updates."""
+    want = ([False] * (micro - 1) + [True]) * steps
+    assert applied == want, f"engine.step() returned {applied}, expected {want}"
+
+
+# ---- stages 0-2: the tests' TinyLM ----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def tinylm_reference(steps: int, precision: str, device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Computed once per precision: every stage 0-2 row compares with the same run."""
+    return reference_run(steps, ROWS, DTYPES[precision], lr=LR, wd=WD, device=device)
+
+
+def stage012_row(tag: str, run: Run, stage: int, tier: str, precision: str, micro: int = 1) -> None:
+    cfg = dict(stage=stage, precision={"dtype": precision}, bucket_bytes=6000, pinned_budget_bytes=100_000,
+               tiers={"optimizer": tier, "grads": tier}, optimizer={"lr": LR, "weight_decay": WD},
+               gradient_accumulation_steps=micro, nvme_paths=nvme_paths(run, tier))
+    engine = zero_offload.initialize(make_model(), cfg)
+    try:
+        losses, applied = train(engine, lambda step: batch(step, ROWS), run, micro)
+        weights = engine.consolidated_state_dict()
+    finally:
+        engine.close()
+    check_applied(applied, micro, run.steps)
+    compare(tag, losses, weights, *tinylm_reference(run.steps, precision, run.device), TOL[precision])
+
+
+def fp16_skip(run: Run) -> None:
+    """An infinite loss at step 2 must skip exactly that update."""
     engine = zero_offload.initialize(make_model(), dict(stage=2, precision={"dtype": "fp16", "initial_scale_power": 8},
                                                         tiers={"optimizer": "cpu", "grads": "cpu"}))
     applied = []
-    for step in range(5):
-        x, y = batch(step, 4)
-        loss = engine(x.cuda(), y.cuda())
-        engine.backward(loss * math.inf if step == 2 else loss)
-        applied.append(engine.step())
-    engine.close()
-    ok = applied == [True, True, False, True, True] and engine.skipped_steps == 1
-    print(f"{'ok   ' if ok else 'FAIL '} cuda fp16 overflow skips exactly one step: {applied}")
-    return [] if ok else [f"fp16 skip: {applied}"]
+    try:
+        for step in range(5):
+            x, y = batch(step, ROWS)
+            loss = engine(x.to(run.device), y.to(run.device))
+            engine.backward(loss * math.inf if step == 2 else loss)
+            applied.append(engine.step())
+    finally:
+        engine.close()
+    assert applied == [True, True, False, True, True] and engine.skipped_steps == 1, (
+        f"applied {applied}, skipped_steps {engine.skipped_steps}")
 
+
+def stage012_rows(run: Run) -> list[tuple[str, Check]]:
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1, 2):
+            for tier in TIERS:
+                tag = f"{run.device} stage={stage} tier={tier} {precision}"
+                rows.append((tag, functools.partial(stage012_row, tag, run, stage, tier, precision)))
+    tag = f"{run.device} stage=2 tier=cpu fp32 gradient_accumulation_steps=2"
+    rows.append((tag, functools.partial(stage012_row, tag, run, 2, "cpu", "fp32", 2)))
+    rows.append((f"{run.device} fp16 overflow skips exactly one step", functools.partial(fp16_skip, run)))
+    return rows
+
+
+# ---- stage 3: a tiny model defined here ----------------------------------------------------------
+
+S3_VOCAB, S3_D, S3_SEQ = 48, 24, 8
+S3_BUDGET = 30000  # bytes: the root unit (~5.6 kB in fp32) plus about two blocks (~9.7 kB each)
+S3_RESIDENT = 8000  # bytes: above the root unit, below a block, so exactly the root unit is resident
+
+
+class S3Block(nn.Module):
+    """One stage-3 unit. No attention: a key bias's exactly-zero true gradient is rounding noise
+    that Adam amplifies, which would make two correct summation orders disagree."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(F.gelu(self.fc(self.ln(x))))
+
+
+class S3Model(nn.Module):
+    """What stage 3 must handle, each once: a head tied to the root unit's embedding, a frozen
+    parameter (a sharded group without a master), a block called twice in one forward and a block
+    under non-reentrant checkpointing (gathered again inside backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(S3_VOCAB, S3_D)
+        self.pos = nn.Parameter(torch.randn(S3_SEQ, S3_D) * 0.02)
+        self.frozen_gain = nn.Parameter(torch.rand(S3_D) + 0.5, requires_grad=False)
+        self.blocks = nn.ModuleList(S3Block(S3_D) for _ in range(3))
+        self.ln_f = nn.LayerNorm(S3_D)
+        self.head = nn.Linear(S3_D, S3_VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        x = self.blocks[0](self.blocks[0](x))
+        x = self.blocks[2](checkpoint(self.blocks[1], x, use_reentrant=False))
+        logits = self.head(self.ln_f(x) * self.frozen_gain)
+        return F.cross_entropy(logits.float().view(-1, S3_VOCAB), targets.reshape(-1))
+
+
+def s3_model(dtype: torch.dtype) -> S3Model:
+    """Seeded, and already in the compute dtype (as a user hands a bf16 model to stage 3)."""
+    torch.manual_seed(0)
+    return S3Model().to(dtype)
+
+
+def s3_batch(step: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    data = torch.randint(0, S3_VOCAB, (rows, S3_SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+@functools.lru_cache(maxsize=None)
+def s3_reference(steps: int, precision: str, device: str,
+                 lr: float = LR) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """torch.optim.AdamW on the whole batch; for bf16 the mixed-precision loop (bf16 model, fp32
+    masters stepped and copied back). Returns the losses and the fp32 trainable weights."""
+    model = s3_model(DTYPES[precision]).to(device)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for _, p in named]
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=WD)
+    losses = []
+    for step in range(steps):
+        x, y = s3_batch(step)
+        loss = model(x.to(device), y.to(device))
+        loss.backward()
+        losses.append(float(loss.detach()))
+        for (_, p), m in zip(named, masters):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        with torch.no_grad():
+            for (_, p), m in zip(named, masters):
+                p.copy_(m)
+    return losses, {n: m.detach().cpu() for (n, _), m in zip(named, masters)}
+
+
+def s3_config(run: Run, params: str, opt: str, precision: str, micro: int, resident: int) -> dict:
+    return dict(stage=3, precision={"dtype": precision}, tiers={"params": params, "optimizer": opt, "grads": opt},
+                stage3={"unit_modules": ["S3Block"], "live_budget_bytes": S3_BUDGET, "prefetch_depth": 2,
+                        "resident_bytes": resident},
+                optimizer={"lr": LR, "weight_decay": WD}, gradient_accumulation_steps=micro,
+                pinned_budget_bytes=100_000, nvme_paths=nvme_paths(run, params, opt))
+
+
+def stage3_row(tag: str, run: Run, params: str, opt: str, precision: str, micro: int = 1, resident: int = 0) -> None:
+    cfg = s3_config(run, params, opt, precision, micro, resident)
+    engine = zero_offload.initialize(s3_model(DTYPES[precision]), cfg)
+    try:
+        losses, applied = train(engine, s3_batch, run, micro)
+        weights = engine.consolidated_state_dict()
+        stats, units = engine.runtime.stats(), sum(u.nbytes for u in engine.runtime.units)
+    finally:
+        engine.close()
+    check_applied(applied, micro, run.steps)
+    assert 0 < stats["peak_gathered_bytes"] <= S3_BUDGET, f"peak gathered bytes outside (0, live budget]: {stats}"
+    assert (0 < stats["resident_bytes"] < units) if resident else stats["resident_bytes"] == 0, (
+        f"resident bytes {stats['resident_bytes']} of {units} with stage3.resident_bytes={resident}")
+    compare(tag, losses, weights, *s3_reference(run.steps, precision, run.device), TOL[precision])
+
+
+def stage3_grid() -> list[tuple[str, str, str]]:
+    """(params, optimizer, precision): parameters off the device need the optimizer off it too."""
+    pairs = [(p, o) for p in TIERS for o in TIERS if p == "device" or o != "device"]
+    bf16 = [("device", "device"), ("cpu", "cpu"), ("nvme", "nvme")]
+    return [(p, o, "fp32") for p, o in pairs] + [(p, o, "bf16") for p, o in bf16]
+
+
+def stage3_rows(run: Run) -> list[tuple[str, Check]]:
+    rows = []
+    for params, opt, precision in stage3_grid():
+        tag = f"{run.device} stage=3 params={params} optimizer={opt} {precision}"
+        rows.append((tag, functools.partial(stage3_row, tag, run, params, opt, precision)))
+    tag = f"{run.device} stage=3 params=cpu optimizer=cpu fp32 gradient_accumulation_steps=2"
+    rows.append((tag, functools.partial(stage3_row, tag, run, "cpu", "cpu", "fp32", micro=2)))
+    tag = f"{run.device} stage=3 params=nvme optimizer=cpu fp32 resident_bytes={S3_RESIDENT}"
+    rows.append((tag, functools.partial(stage3_row, tag, run, "nvme", "cpu", "fp32", resident=S3_RESIDENT)))
+    return rows
+
+
+# ---- overlap benchmark -----------------------------------------------------------------------------
 
 def _mlp(d: int, layers: int) -> torch.nn.Module:
     from zero_offload.bench.step import _model
@@ -78,84 +300,132 @@ def _mlp(d: int, layers: int) -> torch.nn.Module:
     return _model(d, layers)
 
 
-def _timed(fn, rounds: int) -> list[float]:  # noqa: ANN001
+def _timed(fn: Callable[[], None], rounds: int, device: str) -> list[float]:
+    """Wall time per call; on CUDA synchronized so queued kernels count."""
     out = []
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out
 
 
-def overlap(nvme: str, d: int, layers: int, tokens: int, rounds: int = 5) -> None:
+def _overlap_engines(nvme: str, d: int, layers: int) -> dict[str, zero_offload.engine.engine.Engine]:
+    engines = {}
+    for name, tier, ov in (("step (cpu, overlapped)", "cpu", True), ("step (cpu, serial)", "cpu", False),
+                           ("step (nvme, overlapped)", "nvme", True)):
+        path = os.path.join(nvme, "overlap")
+        cfg = dict(stage=1, precision={"dtype": "bf16"}, tiers={"optimizer": tier, "grads": "cpu"}, overlap_step=ov,
+                   bucket_bytes=32 << 20, nvme_paths=[path] if tier == "nvme" else [])
+        os.makedirs(path, exist_ok=True)
+        engines[name] = zero_offload.initialize(_mlp(d, layers), cfg)
+    return engines
+
+
+def _adam_only(engine: zero_offload.engine.engine.Engine) -> Callable[[], None]:
+    """The host Adam over the same shard sizes as the engine's buckets, with nothing else running."""
     from zero_offload.engine.step import HostAdam, Scalars
 
-    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
-    plain = _mlp(d, layers).cuda().bfloat16()
+    adam, s = HostAdam(0), Scalars(1, 1e-4, 0.9, 0.999, 1e-8, 0.01, True)
+    shards = [(torch.randn(n), torch.randn(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
+               torch.empty(n, dtype=torch.bfloat16))
+              for n in (b.layout.shard_numel for b in engine.runtime.buckets)]
+
+    def run() -> None:
+        for p, g, m, v, out in shards:
+            adam(p, g, m, v, s, out)
+    return run
+
+
+def _engine_step(e: zero_offload.engine.engine.Engine, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        e.backward(e(x).float().pow(2).mean())
+        e.step()
+    return run
+
+
+def overlap(nvme: str, d: int, layers: int, tokens: int, rounds: int, device: str) -> None:
+    """Median times of the parts and the steps, measured round-robin so drift hits all alike."""
+    x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
+    plain = _mlp(d, layers).to(device).bfloat16()
     params = sum(p.numel() for p in plain.parameters())
 
     def fwd_bwd() -> None:
         plain(x).float().pow(2).mean().backward()
         plain.zero_grad(set_to_none=True)
 
-    engines = {}
-    for name, tier, ov in (("step (cpu, overlapped)", "cpu", True), ("step (cpu, serial)", "cpu", False),
-                           ("step (nvme, overlapped)", "nvme", True)):
-        cfg = dict(stage=1, precision={"dtype": "bf16"}, tiers={"optimizer": tier, "grads": "cpu"}, overlap_step=ov,
-                   bucket_bytes=32 << 20, nvme_paths=[os.path.join(nvme, name[-11:-1])] if tier == "nvme" else [])
-        if tier == "nvme":
-            os.makedirs(cfg["nvme_paths"][0], exist_ok=True)
-        engines[name] = zero_offload.initialize(_mlp(d, layers), cfg)
-    adam, s = HostAdam(0), Scalars(1, 1e-4, 0.9, 0.999, 1e-8, 0.01, True)
-    shards = [(torch.randn(n), torch.randn(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),
-               torch.empty(n, dtype=torch.bfloat16))
-              for n in (b.layout.shard_numel for b in next(iter(engines.values())).runtime.buckets)]
+    engines = _overlap_engines(nvme, d, layers)
+    try:
+        parts = {"fwd+bwd (gpu)": fwd_bwd, "cpu adam": _adam_only(next(iter(engines.values()))),
+                 **{k: _engine_step(e, x) for k, e in engines.items()}}
+        for fn in parts.values():
+            _timed(fn, 1, device)
+        times: dict[str, list[float]] = {k: [] for k in parts}
+        for _ in range(rounds):
+            for k, fn in parts.items():
+                times[k] += _timed(fn, 1, device)
+    finally:
+        for e in engines.values():
+            e.close()
+    _report_overlap({k: statistics.median(v) for k, v in times.items()}, params, tokens, rounds, device)
 
-    def adam_only() -> None:
-        for p, g, m, v, out in shards:
-            adam(p, g, m, v, s, out)
 
-    def engine_step(e) -> callable:  # noqa: ANN001
-        def run() -> None:
-            e.backward(e(x).float().pow(2).mean())
-            e.step()
-        return run
-
-    parts = {"fwd+bwd (gpu)": fwd_bwd, "cpu adam": adam_only, **{k: engine_step(e) for k, e in engines.items()}}
-    for fn in parts.values():
-        _timed(fn, 1)
-    times = {k: [] for k in parts}
-    for _ in range(rounds):
-        for k, fn in parts.items():
-            times[k] += _timed(fn, 1)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\noverlap benchmark: {params / 1e6:.0f}M parameters, bf16, {tokens} rows; median of {rounds} rounds")
+def _report_overlap(med: dict[str, float], params: int, tokens: int, rounds: int, device: str) -> None:
+    smoke = "" if device == "cuda" else " (CPU smoke run: the times mean nothing)"
+    print(f"\noverlap benchmark: {params / 1e6:.1f}M parameters, bf16, {tokens} rows; median of {rounds} rounds{smoke}")
     for k, v in med.items():
         print(f"  {k:26} {v * 1e3:9.1f} ms")
     largest = max(med["fwd+bwd (gpu)"], med["cpu adam"])
     print(f"  overlapped cpu step / max(fwd+bwd, adam) = {med['step (cpu, overlapped)'] / largest:.2f}x; "
           f"serial = {med['step (cpu, serial)'] / largest:.2f}x")
-    for e in engines.values():
-        e.close()
 
 
-def main() -> int:
+# ---- main -------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvme", default=None, help="directory for the nvme tier (default: a temp dir)")
     parser.add_argument("--d-model", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; this script checks the CUDA paths only", file=sys.stderr)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per equivalence row (default 20)")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run the equivalence rows on the CPU with CUDA hidden; skip the CUDA timing")
+    return parser.parse_args(argv)
+
+
+def all_rows(run: Run, args: argparse.Namespace) -> list[tuple[str, Check]]:
+    """Equivalence rows, then the overlap benchmark (a failed row only if it crashes)."""
+    if run.device == "cuda":
+        bench = functools.partial(overlap, run.nvme, args.d_model, args.layers, args.tokens, 5, "cuda")
+    else:  # the same code once at a tiny size, only so that it cannot rot; its times mean nothing
+        bench = functools.partial(overlap, run.nvme, 64, 2, 32, 1, "cpu")
+    return stage012_rows(run) + stage3_rows(run) + [(f"{run.device} overlap benchmark", bench)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_dry_run and torch.cuda.is_available():
+        print("gpu_check: --cpu-dry-run could not hide CUDA (set CUDA_VISIBLE_DEVICES= )", file=sys.stderr)
         return 2
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; this script checks the CUDA paths (--cpu-dry-run runs them on the CPU)",
+              file=sys.stderr)
+        return 2
+    if args.cpu_dry_run:
+        print("gpu_check --cpu-dry-run: equivalence rows on the CPU; SKIPPED: CUDA synchronize timing, the "
+              "overlap ratios (the benchmark runs once at d=64 as a smoke test) and pinned host memory")
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=args.nvme) as nvme:
-        failures = equivalence(nvme)
-        overlap(nvme, args.d_model, args.layers, args.tokens)
+        run = Run("cpu" if args.cpu_dry_run else "cuda", nvme, args.steps)
+        failures = run_rows(all_rows(run, args))
     print(f"\ngpu_check: {len(failures)} failure(s) in {time.time() - t0:.0f} s")
+    for line in failures:
+        print(f"  {line}")
     return 1 if failures else 0
 
 
