@@ -7,6 +7,8 @@ synchronization; between tensors on the CPU they are plain copies.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from zero_offload.store.base import Handle, Store
@@ -18,7 +20,7 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> Handle:
         dst.copy_(src)
         return Handle(result=dst)
     device = dst.device if dst.is_cuda else src.device
-    stream = _side_stream(device)
+    stream = _side_stream(device, _direction(dst, src))
     stream.wait_stream(torch.cuda.current_stream(device))  # src must be fully produced first
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
@@ -30,14 +32,24 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> Handle:
     return Handle(done.synchronize, dst)
 
 
-_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_STREAMS: dict[tuple[torch.device, str], "torch.cuda.Stream"] = {}
+_STREAMS_LOCK = threading.Lock()  # the step worker and the prefetch thread copy too
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One copy stream per device, shared by every store: copies overlap compute, not each other."""
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device=device)
-    return _STREAMS[device]
+def _direction(dst: torch.Tensor, src: torch.Tensor) -> str:
+    if dst.is_cuda and src.is_cuda:
+        return "d2d"
+    return "h2d" if dst.is_cuda else "d2h"
+
+
+def _side_stream(device: torch.device, direction: str) -> "torch.cuda.Stream":
+    """One copy stream per device and direction, shared by every store: uploads (parameter
+    fetches, updated shards) and downloads (gradients) use both directions of the link at once,
+    and copies in one direction stay in issue order."""
+    with _STREAMS_LOCK:
+        if (device, direction) not in _STREAMS:
+            _STREAMS[device, direction] = torch.cuda.Stream(device=device)
+        return _STREAMS[device, direction]
 
 
 class ResidentStore(Store):
