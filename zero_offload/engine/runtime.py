@@ -48,7 +48,7 @@ class BucketRuntime:
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,
                                    dtype=self.dtype, scale=scale, sink=self._sink)
-        self._updated: dict[str, torch.Tensor] = {}
+        self._updated: dict[str, tuple[torch.Tensor, bool]] = {}  # key -> (updated shard, owned)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
