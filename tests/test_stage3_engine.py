@@ -125,3 +125,27 @@ def test_meta_model_below_stage_3_is_refused() -> None:
         zero_offload.initialize(model, {**CFG, "stage": 2, "tiers": {"optimizer": "cpu"}, "stage3": {}})
     with pytest.raises(ConfigError, match="init_fn and weights .* need stage 3"):
         zero_offload.initialize(make_model(), {"stage": 1}, weights="w.pt")
+
+
+def test_a_failed_streamed_update_write_is_reported_and_close_cleans_up(tmp_path: object) -> None:
+    """Updated shards are written behind the step by the step worker: a write that fails (a full
+    drive) must surface as the step's error, and close() must still remove the NVMe files."""
+    from zero_offload.store.base import Handle
+
+    nvme = os.path.join(str(tmp_path), "nvme")
+    os.makedirs(nvme)
+    cfg = {**CFG, "tiers": {"params": "nvme", "optimizer": "cpu", "grads": "cpu"}, "nvme_paths": [nvme]}
+    engine = zero_offload.initialize(make_model(), cfg)
+    _train(engine, range(1))
+    store = engine.runtime.params_store
+
+    def full_drive(key: str, src: torch.Tensor) -> Handle:
+        def fail() -> None:
+            raise OSError(28, "No space left on device (simulated)")
+        return Handle(fail, src)
+    store.write = full_drive
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        _train(engine, range(1, 4))
+    del store.write
+    engine.close()
+    assert os.listdir(nvme) == []
