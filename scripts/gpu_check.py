@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import zero_offload  # noqa: E402
 from _engine_model import batch, make_model, reference_run  # noqa: E402
+from _stage3_model import Block3  # noqa: E402  (one stage-3 unit; the model around it is below)
 from test_engine_matrix import LR, TOL, compare  # noqa: E402
 
 WD, ROWS = 0.01, 4
@@ -177,19 +178,6 @@ S3_BUDGET = 30000  # bytes: the root unit (~5.6 kB in fp32) plus about two block
 S3_RESIDENT = 8000  # bytes: above the root unit, below a block, so exactly the root unit is resident
 
 
-class S3Block(nn.Module):
-    """One stage-3 unit. No attention: a key bias's exactly-zero true gradient is rounding noise
-    that Adam amplifies, which would make two correct summation orders disagree."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.out(F.gelu(self.fc(self.ln(x))))
-
-
 class S3Model(nn.Module):
     """What stage 3 must handle, each once: a head tied to the root unit's embedding, a frozen
     parameter (a sharded group without a master), a block called twice in one forward and a block
@@ -200,7 +188,7 @@ class S3Model(nn.Module):
         self.tok = nn.Embedding(S3_VOCAB, S3_D)
         self.pos = nn.Parameter(torch.randn(S3_SEQ, S3_D) * 0.02)
         self.frozen_gain = nn.Parameter(torch.rand(S3_D) + 0.5, requires_grad=False)
-        self.blocks = nn.ModuleList(S3Block(S3_D) for _ in range(3))
+        self.blocks = nn.ModuleList(Block3(S3_D) for _ in range(3))
         self.ln_f = nn.LayerNorm(S3_D)
         self.head = nn.Linear(S3_D, S3_VOCAB, bias=False)
         self.head.weight = self.tok.weight
@@ -251,7 +239,7 @@ def s3_reference(steps: int, precision: str, device: str,
 
 def s3_config(run: Run, params: str, opt: str, precision: str, micro: int, resident: int) -> dict:
     return dict(stage=3, precision={"dtype": precision}, tiers={"params": params, "optimizer": opt, "grads": opt},
-                stage3={"unit_modules": ["S3Block"], "live_budget_bytes": S3_BUDGET, "prefetch_depth": 2,
+                stage3={"unit_modules": ["Block3"], "live_budget_bytes": S3_BUDGET, "prefetch_depth": 2,
                         "resident_bytes": resident},
                 optimizer={"lr": LR, "weight_decay": WD}, gradient_accumulation_steps=micro,
                 pinned_budget_bytes=100_000, nvme_paths=nvme_paths(run, params, opt))

@@ -2,6 +2,7 @@
 dict loaded into the plain model, and checkpoint resume bit for bit."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -16,10 +17,10 @@ CFG = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"
        "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}
 
 
-def _meta_engine(weights: str) -> zero_offload.engine.engine.Engine:
+def _meta_engine(weights: str, cfg: dict = CFG) -> zero_offload.engine.engine.Engine:
     with torch.device("meta"):
         model = make_model()
-    return zero_offload.initialize(model, CFG, weights=weights)
+    return zero_offload.initialize(model, cfg, weights=weights)
 
 
 def _train(engine: object, steps: range) -> list[float]:
@@ -59,30 +60,30 @@ def test_meta_model_from_weights_resumes_bit_for_bit_and_consolidates(tmp_path: 
     assert torch.equal(plain.tok.weight, got_sd["tok.weight"]) and plain.head.weight is plain.tok.weight
 
 
+def _two_weight_files(tmp: str) -> tuple[str, str]:
+    """The model's weights, and the same with frozen_gain tripled (what a checkpoint must undo)."""
+    weights, other = os.path.join(tmp, "w.pt"), os.path.join(tmp, "other.pt")
+    torch.save(make_model().state_dict(), weights)
+    changed = make_model().state_dict()
+    changed["frozen_gain"] = changed["frozen_gain"] * 3.0
+    torch.save(changed, other)
+    return weights, other
+
+
 @pytest.mark.parametrize("params_tier", ["cpu", "nvme"])
 def test_checkpoint_restores_frozen_parameters_inside_units(tmp_path: object, params_tier: str) -> None:
     """frozen_gain lives in the root unit (sharded, no master): the checkpoint must carry it, so a
     run resumed from weights whose frozen values differ continues exactly as the original."""
     cfg = {**CFG, "tiers": {**CFG["tiers"], "params": params_tier}, "nvme_paths": [str(tmp_path)]}
-    weights, other = os.path.join(str(tmp_path), "w.pt"), os.path.join(str(tmp_path), "other.pt")
-    torch.save(make_model().state_dict(), weights)
-    changed = make_model().state_dict()
-    changed["frozen_gain"] = changed["frozen_gain"] * 3.0
-    torch.save(changed, other)
-
-    def engine(path: str) -> zero_offload.engine.engine.Engine:
-        with torch.device("meta"):
-            model = make_model()
-        return zero_offload.initialize(model, cfg, weights=path)
-
-    straight = engine(weights)
+    weights, other = _two_weight_files(str(tmp_path))
+    straight = _meta_engine(weights, cfg)
     want = _train(straight, range(5))
     straight.close()
-    first = engine(weights)
+    first = _meta_engine(weights, cfg)
     got = _train(first, range(3))
     first.save_checkpoint(os.path.join(str(tmp_path), "ckpt"))
     first.close()
-    resumed = engine(other)
+    resumed = _meta_engine(other, cfg)
     resumed.load_checkpoint(os.path.join(str(tmp_path), "ckpt"))
     got += _train(resumed, range(3, 5))
     gain = resumed.consolidated_state_dict()["frozen_gain"]
@@ -92,9 +93,7 @@ def test_checkpoint_restores_frozen_parameters_inside_units(tmp_path: object, pa
 
 
 def _save_frozen_at_d2(rank: int, world: int, tmp: str) -> None:
-    with torch.device("meta"):
-        model = make_model()
-    engine = zero_offload.initialize(model, CFG, weights=os.path.join(tmp, "w.pt"))
+    engine = _meta_engine(os.path.join(tmp, "w.pt"))
     _train(engine, range(3))
     engine.save_checkpoint(os.path.join(tmp, "ckpt"))
     engine.close()
@@ -104,14 +103,9 @@ def test_frozen_shards_saved_at_d2_load_at_d1(tmp_path: object) -> None:
     from _dist import run_ranks
 
     tmp = str(tmp_path)
-    torch.save(make_model().state_dict(), os.path.join(tmp, "w.pt"))
-    changed = make_model().state_dict()
-    changed["frozen_gain"] = changed["frozen_gain"] * 3.0
-    torch.save(changed, os.path.join(tmp, "other.pt"))
+    _, other = _two_weight_files(tmp)
     run_ranks(_save_frozen_at_d2, 2, tmp=tmp)
-    with torch.device("meta"):
-        model = make_model()
-    engine = zero_offload.initialize(model, CFG, weights=os.path.join(tmp, "other.pt"))
+    engine = _meta_engine(other)
     engine.load_checkpoint(os.path.join(tmp, "ckpt"))
     gain = engine.consolidated_state_dict()["frozen_gain"]
     engine.close()
@@ -149,3 +143,22 @@ def test_a_failed_streamed_update_write_is_reported_and_close_cleans_up(tmp_path
     del store.write
     engine.close()
     assert os.listdir(nvme) == []
+
+
+def test_checkpoint_with_other_frozen_parameters_is_refused(tmp_path: object) -> None:
+    from zero_offload.engine.checkpoint import CheckpointError
+
+    weights, _ = _two_weight_files(str(tmp_path))
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    engine = _meta_engine(weights)
+    _train(engine, range(1))
+    engine.save_checkpoint(ckpt)
+    manifest = os.path.join(ckpt, "manifest.json")
+    with open(manifest) as f:
+        saved = json.load(f)
+    saved["frozen_shapes"]["frozen_gain"] = [7]  # as if the model's frozen parameter had changed
+    with open(manifest, "w") as f:
+        json.dump(saved, f)
+    with pytest.raises(CheckpointError, match="does not match the model's frozen parameters.*frozen_gain"):
+        engine.load_checkpoint(ckpt)
+    engine.close()

@@ -142,47 +142,63 @@ def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: 
     return engine, run
 
 
-def main(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int]:
+    """Per-round seconds of every part, the overlapped engine's drive traffic per step
+    (read, written) and the optimizer state's bytes."""
     x = torch.randn(args.tokens, args.d_model)
-    io_name = "nvme" if args.tier == "nvme" else "state copy (cpu tier)"
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
         os.makedirs(os.path.join(nvme, "serial"))
         engine, step = _engine_step(args, x, nvme, overlap=True)
         serial_engine, serial = _engine_step(args, x, os.path.join(nvme, "serial"), overlap=False)
-        parts = {"fwd+bwd": _fwd_bwd(args, x), "cpu adam": _adam_only(_shard_sizes(engine), args.threads),
+        sizes = _shard_sizes(engine)
+        parts = {"fwd+bwd": _fwd_bwd(args, x), "cpu adam": _adam_only(sizes, args.threads),
                  io_name: _nvme_only(serial_engine), "step": step, "serial step": serial}
-        state_bytes = 12 * sum(_shard_sizes(engine))
         before = _traffic(engine)
         times = _interleaved(parts, args.steps)
         after = _traffic(engine)
         per_step = [(a - b) / max(step.calls, 1) for a, b in zip(after, before)]  # type: ignore[attr-defined]
         engine.close()
         serial_engine.close()
+    return times, per_step, 12 * sum(sizes)
+
+
+def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[float]],
+               per_step: list[float], state_bytes: int) -> dict:
     figures = {name: statistics.median(t) for name, t in times.items()}
     pieces = [figures[k] for k in ("fwd+bwd", "cpu adam", io_name)]
     ratios = _round_ratios(times, ("fwd+bwd", "cpu adam", io_name))
     params = sum(p.numel() for p in _model(args.d_model, args.layers).parameters())
-    result = {"params": params, "tokens": args.tokens, "tier": args.tier, "threads": args.threads,
-              "seconds": figures, "step_over_largest": statistics.median(ratios),
-              "step_over_largest_per_round": ratios,
-              "step_over_largest_of_medians": figures["step"] / max(pieces),
-              "drive_bytes_per_step": {"read": per_step[0], "written": per_step[1]},
-              "optimizer_state_bytes": state_bytes,
-              "overlap_pct": 100.0 * (sum(pieces) - figures["step"]) / max(sum(pieces) - max(pieces), 1e-12)}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"bench-step: {params / 1e6:.1f}M parameters, {args.tokens} rows, optimizer on {args.tier}, "
+    return {"params": params, "tokens": args.tokens, "tier": args.tier, "threads": args.threads,
+            "seconds": figures, "step_over_largest": statistics.median(ratios),
+            "step_over_largest_per_round": ratios,
+            "step_over_largest_of_medians": figures["step"] / max(pieces),
+            "drive_bytes_per_step": {"read": per_step[0], "written": per_step[1]},
+            "optimizer_state_bytes": state_bytes,
+            "overlap_pct": 100.0 * (sum(pieces) - figures["step"]) / max(sum(pieces) - max(pieces), 1e-12)}
+
+
+def _print(args: argparse.Namespace, result: dict) -> None:
+    print(f"bench-step: {result['params'] / 1e6:.1f}M parameters, {args.tokens} rows, optimizer on {args.tier}, "
           f"{args.threads} thread(s) each; median of {args.steps} interleaved rounds")
-    for name, sec in figures.items():
+    for name, sec in result["seconds"].items():
         print(f"  {name:24} {sec * 1e3:9.1f} ms")
-    mib = 2.0 ** 20
-    print(f"  drive traffic per step   {per_step[0] / mib:9.1f} MiB read, {per_step[1] / mib:.1f} MiB written "
-          f"(optimizer state: {state_bytes / mib:.1f} MiB; staging ring: {args.staging_mib:.0f} MiB)")
+    mib, traffic, ratios = 2.0 ** 20, result["drive_bytes_per_step"], result["step_over_largest_per_round"]
+    print(f"  drive traffic per step   {traffic['read'] / mib:9.1f} MiB read, {traffic['written'] / mib:.1f} MiB "
+          f"written (optimizer state: {result['optimizer_state_bytes'] / mib:.1f} MiB; "
+          f"staging ring: {args.staging_mib:.0f} MiB)")
     print(f"  step / largest part      {result['step_over_largest']:9.2f} x   (median of the per-round ratios; "
           f"rounds {min(ratios):.2f}-{max(ratios):.2f}; of the medians above: "
           f"{result['step_over_largest_of_medians']:.2f} x)")
     print(f"  overlap                  {result['overlap_pct']:9.0f} %   of the time that could be hidden is hidden "
           f"(from the medians)")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    io_name = "nvme" if args.tier == "nvme" else "state copy (cpu tier)"
+    result = _summarize(args, io_name, *_measure(args, io_name))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print(args, result)
     return 0

@@ -79,8 +79,7 @@ class StagingPool:
             free = self._free.setdefault((numel, dtype), [])
             if free:
                 return free.pop()
-        make: Callable[[int, torch.dtype], torch.Tensor] | None = getattr(self.store, "staging_buffer", None)
-        buf = make(numel, dtype) if make is not None else torch.empty(numel, dtype=dtype)
+        buf = self.store.staging_buffer(numel, dtype)
         with self._lock:
             self.nbytes += buf.numel() * buf.element_size()
         return buf
