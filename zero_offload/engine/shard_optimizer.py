@@ -80,7 +80,7 @@ class ShardOptimizer:
         # in backward's hooks, where waiting on a write would stall the CPU behind the GPU.
         self.stream_updates = stream_updates and on_updated is not None and kernel.host
         on_done = self._stream if self.stream_updates else None
-        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._predict_next, on_done)
+        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._planned, on_done)
         self.numel: dict[str, int] = {}
         self.decay: dict[str, bool] = {}
         self.steps: dict[str, int] = {}
@@ -107,8 +107,7 @@ class ShardOptimizer:
             self.store.write(f"{key}.{part}", zeros).wait()
         self.numel[key], self.decay[key], self.steps[key] = n, weight_decay, 0
         self.order.append(key)
-        self.access.max_numel = max(self.access.max_numel, n)
-        self.access.shards += 1
+        self.access.add(n)
 
     # ---- the step ----
     def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False) -> None:
@@ -147,6 +146,7 @@ class ShardOptimizer:
             return True
         finally:
             self._end_step()
+            self.pipeline.prefetch()  # the next step's reads start now, not at its forward
 
     def _submit_held(self) -> bool:
         """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""
@@ -207,15 +207,14 @@ class ShardOptimizer:
                           pin_memory=self.kernel_device.type == "cpu" and torch.cuda.is_available())
         return dst, copy_async(dst, grad)
 
-    def _predict_next(self, key: str | None, count: int) -> list[tuple[str, int]]:
-        """The `count` shards expected after `key` (None: the first ones), from the last step's order."""
-        start = 0 if key is None else (self.order.index(key) + 1 if key in self.order else len(self.order))
-        return [(k, self.numel[k]) for k in self.order[start:start + count]]
+    def _planned(self) -> list[tuple[str, int]]:
+        """The shards in their expected stepping order (the last step's arrival order)."""
+        return [(k, self.numel[k]) for k in self.order]
 
     def prefetch(self) -> None:
         """Start reading the first shards' state for the coming step (the engine calls it at the
         forward of a boundary micro-batch, so NVMe reads overlap forward too)."""
-        self.pipeline.prefetch_first()
+        self.pipeline.prefetch()
 
     # ---- state ----
     def master(self, key: str) -> torch.Tensor:
@@ -269,7 +268,7 @@ class ShardOptimizer:
     def bytes_retained(self) -> dict[str, int]:
         return {f"optimizer/{self.store.tier}": self.store.bytes_retained(),
                 f"gradients/{self.grad_store.tier}": self.grad_store.bytes_retained(),
-                "staging": sum(sum(b.numel() * b.element_size() for b in s.buffers) for s in self.access._sets)}
+                "staging": self.access.staging_bytes}
 
     def close(self) -> None:
         self.pipeline.close()

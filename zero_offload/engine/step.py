@@ -5,28 +5,25 @@ A host kernel (the native CPU Adam, for the cpu and nvme tiers) runs on one work
 backward goes on while shards are stepped; a device kernel (torch's fused Adam) runs inline, since
 the device queues it asynchronously anyway.
 
-State that is not addressable (the nvme tier) passes through a ring of staging sets (at least
-three, more as config.pinned_budget_bytes allows): while shard i is stepped, shards i+1 .. i+k are
-being read (predicted from the previous step's order; the first ones already during forward) and
-shard i-1 is being written. A set is reused only after its previous write completed; the writes of the
-last shards are not waited for at the end of the step, so they overlap the next forward. A set
-that still holds a key is that shard's newest copy, so nothing ever reads behind a pending write.
-The set handed out for the shard being stepped is never taken for a prefetch until it is released.
+State that is not addressable (the nvme tier) passes through the staging ring (staging.py): its
+prefetch thread reads the shards ahead in the predicted order (the previous step's), starting as
+soon as the previous step ends and going on under forward and backward, as far as
+config.pinned_budget_bytes allows; the worker waits only for the reads of the shard it steps, then
+starts its write-back and moves on. Write-backs of the last shards are not waited for at the end of
+the step: they overlap the next forward.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, aligned
 from zero_offload.optim.flat import adam_step_flat
 from zero_offload.store.base import Handle, Store
-
-PARTS = ("master", "m", "v")
-
 
 @dataclass
 class Scalars:
@@ -86,112 +83,79 @@ class DeviceAdam:
             lowp_out.copy_(master)
 
 
-@dataclass
-class _Set:
-    """One staging set: buffers for master, m, v, the key they hold, and transfers in flight."""
-
-    buffers: tuple[torch.Tensor, ...]
-    key: str | None = None
-    stepping: bool = False  # handed out by acquire() and not yet released: never reused meanwhile
-    reads: list[Handle] = field(default_factory=list)
-    writes: list[Handle] = field(default_factory=list)
-
-    def settle(self) -> None:
-        for h in self.reads + self.writes:
-            h.wait()
-        self.reads, self.writes = [], []
-
-
 class StateAccess:
-    """Hands out a shard's (master, m, v): the store's own tensors, or staging sets it reads into."""
+    """Hands out a shard's (master, m, v): the store's own tensors, or a region of the staging
+    ring (staging.py) that the prefetch thread reads ahead into."""
 
     def __init__(self, store: Store, budget_bytes: int = 0) -> None:
         self.store = store
         self.budget_bytes = budget_bytes
-        self.shards = 0  # how many shards exist (the ring never needs more sets than that + 2)
-        self.depth = 3
-        self._sets: list[_Set] = []
-        self._turn = 0
-        self._retired: list[_Set] = []
         self.max_numel = 0
+        self.total_numel = 0  # aligned, over every shard: the ring never needs more
+        self._ring: StagingRing | None = None
+
+    def add(self, numel: int) -> None:
+        """A shard was registered (before any step: a larger one replaces the ring)."""
+        self.max_numel = max(self.max_numel, numel)
+        self.total_numel += aligned(numel)
+        if self._ring is not None and self._ring.capacity < self._capacity():
+            self._ring.close()
+            self._ring = None
+
+    def _capacity(self) -> int:
+        """Elements per part: the budget (12 B/element), at least three of the largest shard (one
+        stepping, one writing, one reading), at most every shard plus a wrap's slack."""
+        largest = aligned(self.max_numel)
+        return max(3 * largest, min(self.budget_bytes // 12 // ALIGN * ALIGN, self.total_numel + largest))
+
+    def ring(self) -> StagingRing:
+        if self._ring is None:
+            self._ring = StagingRing(self.store, self._capacity())
+        return self._ring
 
     @property
-    def lookahead(self) -> int:
-        """Shards read ahead of the one being stepped: all sets but that one and the one writing."""
-        return self.depth - 2
+    def staging_bytes(self) -> int:
+        return 0 if self._ring is None else self._ring.nbytes
 
     def resident(self, key: str) -> tuple[torch.Tensor, ...] | None:
         views = tuple(self.store.view(f"{key}.{p}") for p in PARTS)
         return None if any(v is None for v in views) else views  # type: ignore[return-value]
 
-    def _take(self, numel: int) -> _Set:
-        if not self._sets or self._sets[0].buffers[0].numel() < numel:
-            self._retired += self._sets  # one may still be stepping; flush() waits for its writes
-            n = max(numel, self.max_numel)
-            self.depth = max(3, min(self.shards + 2, self.budget_bytes // max(12 * n, 1)))
-            self._sets = [_Set(tuple(self.store.staging_buffer(n, torch.float32) for _ in PARTS))
-                          for _ in range(self.depth)]
-        s = self._sets[self._turn % self.depth]
-        self._turn += 1
-        if s.stepping:  # the shard being stepped may sit anywhere in the ring (a hit from an
-            s = self._sets[self._turn % self.depth]  # earlier step): take the next set instead
-            self._turn += 1
-        s.settle()
-        s.key = None
-        return s
+    def plan(self, shards: list[tuple[str, int]]) -> None:
+        """Start reading these shards ahead, in this (predicted stepping) order."""
+        staged = [(k, n) for k, n in shards if self.resident(k) is None]
+        if staged:
+            self.ring().plan(staged)
 
-    def prefetch(self, key: str, numel: int) -> None:
-        if any(s.key == key for s in self._sets) or self.resident(key) is not None:
-            return
-        for old in self._retired:  # a retired set may still be writing this shard back
-            if old.key == key:
-                old.settle()
-                old.key = None
-        s = self._take(numel)
-        s.key = key
-        s.reads = [self.store.read(f"{key}.{p}", b[:numel]) for p, b in zip(PARTS, s.buffers)]
-
-    def acquire(self, key: str, numel: int) -> tuple[tuple[torch.Tensor, ...], _Set | None]:
-        """The shard's tensors, ready to step. A set that still holds `key` (prefetched, or written
-        back last step and not reused since) is the newest copy: no read is needed, only its
-        pending transfers must end before the step modifies the buffers."""
+    def acquire(self, key: str, numel: int) -> tuple[tuple[torch.Tensor, ...], Region | None]:
+        """The shard's tensors, ready to step, and its ring region (None when resident)."""
         views = self.resident(key)
         if views is not None:
             return views, None
-        hit = next((s for s in self._sets if s.key == key), None)
-        if hit is None:
-            self.prefetch(key, numel)
-            hit = next(s for s in self._sets if s.key == key)
-        hit.settle()
-        hit.stepping = True
-        return tuple(b[:numel] for b in hit.buffers), hit
+        ring = self.ring()
+        region = ring.acquire(key, numel)
+        return ring.views(region), region
 
-    def release(self, key: str, numel: int, staged: _Set | None) -> None:
-        if staged is not None:
-            staged.stepping = False
-            staged.writes = [self.store.write(f"{key}.{p}", b[:numel]) for p, b in zip(PARTS, staged.buffers)]
+    def release(self, region: Region | None) -> None:
+        if region is not None:
+            self.ring().release(region)
 
-    def flush(self, *, after_error: bool = False) -> None:
-        """Finish every transfer in flight and forget what the sets hold (their data may be stale).
+    def flush(self, *, after_error: bool = False) -> int:
+        """Finish every transfer in flight and forget what the ring holds; return the bytes that
+        were read ahead and never stepped."""
+        return 0 if self._ring is None else self._ring.flush(after_error=after_error)
 
-        After a failed job a set may hold a half-updated shard: forgetting it is what keeps the
-        next step reading the store's copy; transfer errors then are already being reported."""
-        for s in self._sets + self._retired:
-            try:
-                s.settle()
-            except Exception:
-                if not after_error:
-                    raise
-                s.reads, s.writes = [], []
-            s.key, s.stepping = None, False
-        self._retired = []
+    def close(self, *, after_error: bool = False) -> None:
+        if self._ring is not None:
+            ring, self._ring = self._ring, None
+            ring.close(after_error=after_error)
 
 
 class StepPipeline:
     """Runs jobs in order, on a worker thread for a host kernel, inline for a device kernel."""
 
     def __init__(self, kernel: HostAdam | DeviceAdam, access: StateAccess, out_dtype: torch.dtype,
-                 predict_next: Callable[[str | None, int], list[tuple[str, int]]],
+                 planned: Callable[[], list[tuple[str, int]]],
                  on_done: Callable[[Job], None] | None = None) -> None:
         """`on_done`, if given, receives each job as soon as it is stepped, on the thread that
         stepped it (the worker, for a host kernel); the job's `out` is dropped afterwards, so
@@ -199,11 +163,11 @@ class StepPipeline:
         self.kernel = kernel
         self.access = access
         self.out_dtype = out_dtype
-        self.predict_next = predict_next
+        self.planned = planned  # the shards' predicted stepping order: what to read ahead
         self.on_done = on_done
         self.done: list[Job] = []
         self._error: BaseException | None = None
-        self._queue: queue.Queue[Job | str | None] = queue.Queue()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         if kernel.host:
             self._worker = threading.Thread(target=self._loop, name="zero-offload-step", daemon=True)
@@ -215,10 +179,11 @@ class StepPipeline:
         else:
             self._queue.put(job)
 
-    def prefetch_first(self) -> None:
-        """Start reading the first shards of the coming step (called at forward time)."""
-        if self._worker is not None:
-            self._queue.put("prefetch")
+    def prefetch(self) -> None:
+        """Start reading the coming step's state ahead, in the predicted order (after a step,
+        and at the forward of a boundary micro-batch; the prefetch thread does the waiting)."""
+        if self._worker is not None and self._error is None:
+            self.access.plan(self.planned())
 
     def quiesce(self) -> None:
         """Wait until the worker is idle and no transfer is in flight (before touching the store)."""
@@ -240,12 +205,12 @@ class StepPipeline:
         return done
 
     def close(self) -> None:
-        """Stop the worker first (it may still touch the staging sets), then finish the transfers."""
+        """Stop the worker first (it may still touch the staging ring), then the ring's transfers and thread."""
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
             self._worker = None
-        self.access.flush(after_error=self._error is not None)
+        self.access.close(after_error=self._error is not None)
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"the optimizer step failed: {err}") from err
@@ -256,10 +221,7 @@ class StepPipeline:
             try:
                 if job is None:
                     return
-                if self._error is None and job == "prefetch":
-                    for key, numel in self.predict_next(None, self.access.lookahead):
-                        self.access.prefetch(key, numel)
-                elif self._error is None:
+                if self._error is None:
                     self._run(job)
             except BaseException as exc:  # surfaced by drain() on the caller's thread
                 self._error = exc
@@ -268,8 +230,6 @@ class StepPipeline:
 
     def _run(self, job: Job) -> None:
         (master, m, v), staged = self.access.acquire(job.key, job.numel)
-        for key, numel in self.predict_next(job.key, self.access.lookahead):
-            self.access.prefetch(key, numel)
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad
@@ -282,7 +242,7 @@ class StepPipeline:
             job.out = torch.empty(job.numel, dtype=self.out_dtype, device=master.device, pin_memory=pin)
             job.out_owned = True
             self.kernel(master, grad, m, v, job.scalars, job.out)
-        self.access.release(job.key, job.numel, staged)
+        self.access.release(staged)
         job.grad = torch.empty(0)  # the gradient is consumed: free it now, not at drain()
         if self.on_done is not None:
             self.on_done(job)

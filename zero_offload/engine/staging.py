@@ -1,0 +1,283 @@
+"""The staging ring: where the step puts non-addressable (nvme) optimizer state, and the thread that fills it.
+
+Three staging buffers (master, m, v) of one capacity, cut into *regions* at the same offsets: one
+region per shard, page-aligned, sized to the shard (a small shard takes little room, so the whole
+pinned budget serves the read-ahead whatever the shard sizes). Regions are placed at the ring's
+head in the order of the *plan* -- the predicted stepping order, i.e. the previous step's gradient
+arrival order -- wrapping to the start when a shard does not fit before the end.
+
+A prefetch thread walks the plan: to place the next shard it evicts the regions in its way
+(waiting for their write-backs) and submits the reads. The step worker waits only for the reads of
+the shard it steps, never for another shard's write-back; so the drive stays busy with reads and
+writes while the worker keeps up with backward.
+
+Region states (the ring owns them and changes them under its lock):
+  LOADING   placed by the prefetch thread, reads being submitted
+  PENDING   reads submitted, not yet stepped in this plan: never evicted while the plan holds
+  STEPPING  handed out by acquire(): never evicted
+  CLEAN     released (its write-back may still be in flight), or read and no longer planned: the
+            newest copy of its shard; evictable, and a later acquire of that shard needs no read
+A shard is in at most one region and a region is reused only after its transfers finished, so no
+read ever runs behind a pending write of the same shard.
+
+A changed order costs reads, never a deadlock: acquire() of a shard that is not in the ring makes
+it a *demand*, which the prefetch thread serves before the plan, evicting PENDING regions if needed.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from zero_offload.store.base import Handle, Store
+
+PARTS = ("master", "m", "v")
+ALIGN = 1024  # elements of fp32: regions start on 4 KiB pages, the drive's direct path
+
+
+def aligned(numel: int) -> int:
+    return -(-max(numel, 1) // ALIGN) * ALIGN
+
+
+class RegionState(enum.Enum):
+    LOADING = "loading"
+    PENDING = "pending"
+    STEPPING = "stepping"
+    CLEAN = "clean"
+
+
+@dataclass(eq=False)
+class Region:
+    """One shard's (master, m, v) in the ring: offsets, state and the transfers in flight."""
+
+    key: str
+    start: int
+    numel: int
+    state: RegionState = RegionState.LOADING
+    unused: bool = False  # read from the drive and not stepped since
+    reads: list[Handle] = field(default_factory=list)
+    writes: list[Handle] = field(default_factory=list)
+
+    def overlaps(self, start: int, size: int) -> bool:
+        return self.start < start + size and start < self.start + aligned(self.numel)
+
+    def settle(self) -> None:
+        """Wait for every transfer in flight (re-raising the first error)."""
+        pending, self.reads, self.writes = self.reads + self.writes, [], []
+        for h in pending:
+            h.wait()
+
+    # ---- transitions ----
+    def loaded(self, reads: list[Handle]) -> None:
+        assert self.state is RegionState.LOADING, self.state
+        self.state, self.reads, self.unused = RegionState.PENDING, reads, True
+
+    def pin(self) -> None:
+        """CLEAN -> PENDING: a region left from an earlier step is planned again."""
+        assert self.state is RegionState.CLEAN, self.state
+        self.state = RegionState.PENDING
+
+    def unpin(self) -> None:
+        """PENDING -> CLEAN: the plan changed and no longer counts on this region."""
+        assert self.state is RegionState.PENDING, self.state
+        self.state = RegionState.CLEAN
+
+    def begin_step(self) -> None:
+        assert self.state in (RegionState.PENDING, RegionState.CLEAN), self.state
+        self.state, self.unused = RegionState.STEPPING, False
+
+    def end_step(self, writes: list[Handle]) -> None:
+        assert self.state is RegionState.STEPPING, self.state
+        self.state, self.writes = RegionState.CLEAN, writes
+
+
+class StagingRing:
+    """Regions of three staging buffers, filled ahead of the step by a prefetch thread."""
+
+    def __init__(self, store: Store, capacity: int) -> None:
+        self.store = store
+        self.capacity = capacity  # elements per part
+        self.buffers = tuple(store.staging_buffer(capacity, torch.float32) for _ in PARTS)
+        self._regions: list[Region] = []  # placement order, oldest first
+        self._index: dict[str, Region] = {}
+        self._head = 0
+        self._plan: deque[tuple[str, int]] = deque()
+        self._demand: tuple[str, int] | None = None
+        self._stepped: set[str] = set()  # acquired since the plan was set: not pinned again
+        self._busy = False  # the prefetch thread holds a region outside the lock
+        self._error: BaseException | None = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="zero-offload-prefetch", daemon=True)
+        self._thread.start()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def views(self, region: Region) -> tuple[torch.Tensor, ...]:
+        return tuple(b[region.start:region.start + region.numel] for b in self.buffers)
+
+    # ---- the step worker's side ----
+    def plan(self, shards: list[tuple[str, int]]) -> None:
+        """Read these shards ahead, in this order, from now on (replacing any plan in progress)."""
+        if any(aligned(n) > self.capacity for _, n in shards):
+            raise ValueError("StagingRing.plan: a shard is larger than the ring")
+        with self._cond:
+            self._plan, self._stepped = deque(shards), set()
+            keys = {k for k, _ in shards}
+            for r in self._regions:
+                if r.state is RegionState.PENDING and r.key not in keys:
+                    r.unpin()
+            self._cond.notify_all()
+
+    def acquire(self, key: str, numel: int) -> Region:
+        """The region holding `key`, read and ready to step (waits for the prefetch thread).
+        A failed transfer of any shard fails the next acquire: the step cannot complete."""
+        if aligned(numel) > self.capacity:
+            raise ValueError(f"StagingRing.acquire({key!r}): {numel} elements do not fit the ring")
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                r = self._index.get(key)
+                if r is not None and r.state in (RegionState.PENDING, RegionState.CLEAN):
+                    break
+                if r is None and self._demand != (key, numel):
+                    self._demand = (key, numel)
+                    self._cond.notify_all()
+                self._cond.wait()
+            r.begin_step()
+            self._stepped.add(key)
+        r.settle()  # its reads, or a write-back from an earlier step still in flight
+        return r
+
+    def release(self, region: Region) -> None:
+        """Start writing the stepped region back; the ring reuses it once the writes are done."""
+        writes: list[Handle] = []
+        try:
+            for p, view in zip(PARTS, self.views(region)):
+                writes.append(self.store.write(f"{region.key}.{p}", view))
+        finally:
+            with self._cond:
+                region.end_step(writes)
+                self._cond.notify_all()
+
+    def flush(self, *, after_error: bool = False) -> int:
+        """Drop the plan, finish every transfer and forget every region (the store may change
+        behind the ring); return the bytes read ahead and never stepped (benchmarks subtract
+        them from the drive traffic). After a failure a region may hold a half-updated shard:
+        forgetting it keeps the next step reading the store's copy."""
+        with self._cond:
+            self._plan, self._demand, self._stepped = deque(), None, set()
+            while self._busy:
+                self._cond.wait()
+            regions, self._regions, self._index, self._head = self._regions, [], {}, 0
+            err, self._error = self._error, None
+        for r in regions:
+            try:
+                r.settle()
+            except Exception as exc:
+                err = err or exc
+        if err is not None and not after_error:
+            raise err
+        return sum(12 * r.numel for r in regions if r.unused)
+
+    def close(self, *, after_error: bool = False) -> None:
+        try:
+            self.flush(after_error=after_error)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join()
+
+    # ---- the prefetch thread ----
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next_job()
+                if job is None:
+                    return
+                region, victims = job
+            reads: list[Handle] = []
+            try:
+                for v in victims:
+                    v.settle()
+                for p, view in zip(PARTS, self.views(region)):
+                    reads.append(self.store.read(f"{region.key}.{p}", view))
+            except BaseException as exc:  # reported to the step by acquire()
+                _settle_quietly(reads)  # nothing may land in the region once it is forgotten
+                with self._cond:
+                    self._forget(region)
+                    self._error, self._busy = self._error or exc, False
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                region.loaded(reads)
+                self._busy = False
+                self._cond.notify_all()
+
+    def _next_job(self) -> tuple[Region, list[Region]] | None:
+        """Under the lock: wait for a shard to place and room for it; None when closing."""
+        while not self._closing:
+            entry = self._demand or (self._plan[0] if self._plan else None)
+            if entry is None or self._error is not None:
+                self._cond.wait()
+                continue
+            key, numel = entry
+            hit, demanded = self._index.get(key), entry is self._demand
+            if not demanded and key in self._stepped:  # demanded and stepped already: not again
+                self._consume(entry)
+                continue
+            if hit is not None:
+                self._consume(entry)
+                if not demanded and hit.state is RegionState.CLEAN:
+                    hit.pin()
+                continue
+            placed = self._place(numel, evict_pending=demanded)
+            if placed is None:
+                self._cond.wait()
+                continue
+            start, victims = placed
+            self._consume(entry)
+            region = Region(key, start, numel)
+            self._regions.append(region)
+            self._index[key] = region
+            self._head, self._busy = start + aligned(numel), True
+            return region, victims
+        return None
+
+    def _consume(self, entry: tuple[str, int]) -> None:
+        if entry is self._demand:
+            self._demand = None
+        else:
+            self._plan.popleft()
+
+    def _place(self, numel: int, *, evict_pending: bool) -> tuple[int, list[Region]] | None:
+        """Where the next region goes and the regions it evicts; None if one of them is in use."""
+        size = aligned(numel)
+        start = self._head if self._head + size <= self.capacity else 0
+        victims = [r for r in self._regions if r.overlaps(start, size)]
+        movable = (RegionState.CLEAN, RegionState.PENDING) if evict_pending else (RegionState.CLEAN,)
+        if any(r.state not in movable for r in victims):
+            return None
+        for r in victims:
+            self._forget(r)
+        return start, victims
+
+    def _forget(self, region: Region) -> None:
+        self._regions.remove(region)
+        if self._index.get(region.key) is region:
+            del self._index[region.key]
+
+
+def _settle_quietly(handles: list[Handle]) -> None:
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 -- the first error is already being reported
+            pass
