@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.staging import ALIGN, PARTS, RegionState, StagingRing, aligned
+from zero_offload.engine.staging import ALIGN, PARTS, RegionState, StagingRing, span
 from zero_offload.store import make_store
 from zero_offload.store.base import Store
 
@@ -21,18 +21,19 @@ def _store(tmp_path: Path) -> Store:
 
 
 def _fill(store: Store, sizes: dict[str, int]) -> dict[tuple[str, str], torch.Tensor]:
-    """Every shard's parts written with distinct values; returns what the store holds."""
+    """Every shard's parts (back to back under its key) written with distinct values; returns
+    what the store holds."""
     values = {}
     for i, (key, n) in enumerate(sizes.items()):
+        store.allocate(key, 3 * n, torch.float32)
         for j, part in enumerate(PARTS):
-            store.allocate(f"{key}.{part}", n, torch.float32)
             values[key, part] = torch.arange(n, dtype=torch.float32) + 1000 * i + 100 * j
-            store.write(f"{key}.{part}", values[key, part]).wait()
+        store.write(key, torch.cat([values[key, p] for p in PARTS])).wait()
     return values
 
 
 def _stored(store: Store, key: str, part: str, n: int) -> torch.Tensor:
-    return store.read(f"{key}.{part}", torch.empty(n)).wait()
+    return store.read(key, torch.empty(3 * n)).wait()[PARTS.index(part) * n:(PARTS.index(part) + 1) * n]
 
 
 def test_a_region_being_stepped_is_never_overwritten(tmp_path: Path) -> None:
@@ -41,7 +42,7 @@ def test_a_region_being_stepped_is_never_overwritten(tmp_path: Path) -> None:
     store = _store(tmp_path)
     sizes = {k: 3000 for k in "abcdef"}
     values = _fill(store, sizes)
-    ring = StagingRing(store, 3 * aligned(3000))
+    ring = StagingRing(store, 3 * span(3000))
     ring.plan(list(sizes.items()))
     region = ring.acquire("a", 3000)
     master, m, v = ring.views(region)
@@ -62,7 +63,7 @@ def test_any_order_of_acquires_reads_the_newest_copy(tmp_path: Path) -> None:
     rng = random.Random(0)
     sizes = {f"s{i}": rng.choice([10, 700, 1500, 5000]) for i in range(12)}
     expected = _fill(store, sizes)
-    ring = StagingRing(store, 3 * aligned(5000) + ALIGN)
+    ring = StagingRing(store, 3 * span(5000) + ALIGN)
     order = list(sizes)
     for _ in range(6):
         ring.plan([(k, sizes[k]) for k in order])
@@ -88,7 +89,7 @@ def test_small_shards_take_little_room(tmp_path: Path) -> None:
     store = _store(tmp_path)
     sizes = {"big": 20 * ALIGN, **{f"small{i}": 100 for i in range(30)}}
     _fill(store, sizes)
-    ring = StagingRing(store, 3 * 20 * ALIGN)
+    ring = StagingRing(store, 3 * span(20 * ALIGN))
     ring.plan(list(sizes.items()))
     ring.release(ring.acquire("big", sizes["big"]))
     _wait_for_plan(ring)
@@ -113,7 +114,7 @@ def test_flush_reports_read_ahead_and_next_plan_reads_again(tmp_path: Path) -> N
     store = _store(tmp_path)
     sizes = {"a": 2048, "b": 2048}
     _fill(store, sizes)
-    ring = StagingRing(store, 3 * 2048)
+    ring = StagingRing(store, 3 * span(2048))
     ring.plan(list(sizes.items()))
     ring.release(ring.acquire("a", 2048))
     ring.acquire("b", 2048)  # wait until 'b' is in; then step it
@@ -129,11 +130,11 @@ def test_a_failed_read_surfaces_at_acquire_and_flush_resets(tmp_path: Path, monk
     store = _store(tmp_path)
     sizes = {"a": 1024, "b": 1024}
     values = _fill(store, sizes)
-    ring = StagingRing(store, 3 * 1024)
+    ring = StagingRing(store, 3 * span(1024))
     real = store.read
 
     def failing(key: str, dst: torch.Tensor) -> object:
-        if key == "b.m":  # after b.master's read was submitted: it must land before 'b' is dropped
+        if key == "b":
             raise OSError(5, "simulated read failure")
         return real(key, dst)
     monkeypatch.setattr(store, "read", failing)
@@ -156,7 +157,7 @@ def test_a_failed_read_surfaces_at_acquire_and_flush_resets(tmp_path: Path, monk
 
 def test_a_shard_larger_than_the_ring_is_refused(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    ring = StagingRing(store, 2 * ALIGN)
+    ring = StagingRing(store, span(2 * ALIGN))
     with pytest.raises(ValueError, match="larger than the ring"):
         ring.plan([("x", 3 * ALIGN)])
     with pytest.raises(ValueError, match="do not fit the ring"):

@@ -101,7 +101,7 @@ def save(engine: "Engine", path: str) -> None:
         shard_map = rt.shard_map()
         for i, key in enumerate(shard_map):
             name = f"rank{rank}.{key}.pt"
-            files[name] = _save_tensors({p: opt.read_part(key, p) for p in PARTS}, os.path.join(tmp, name))
+            files[name] = _save_tensors(opt.read_state(key), os.path.join(tmp, name))
             if i == 0 and os.environ.get(PAUSE_ENV):
                 time.sleep(float(os.environ[PAUSE_ENV]))
         frozen_map = rt.frozen_map()
@@ -192,11 +192,11 @@ def load(engine: "Engine", path: str) -> None:
     reader = _Reader(root, manifest)
     index = _old_pieces(root, manifest["writers"])
     for key, pieces in rt.shard_map().items():
-        for part in PARTS:
-            out = torch.zeros(opt.numel[key], dtype=torch.float32)
+        parts = {part: torch.zeros(opt.numel[key], dtype=torch.float32) for part in PARTS}
+        for part, out in parts.items():
             for name, poff, soff, n in pieces:
                 _fill(out, soff, name, poff, n, index, reader, part)
-            opt.write_part(key, part, out)
+        opt.write_state(key, parts)
     _load_frozen(engine, root, manifest, reader)
     _load_non_trainable(engine, reader.get("model.pt"))
     same_world = manifest["world"] == comm.world_size()

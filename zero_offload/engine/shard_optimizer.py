@@ -99,12 +99,10 @@ class ShardOptimizer:
         if master.dim() != 1:
             raise ValueError(f"ShardOptimizer.add_shard({key!r}): master must be 1-D, got shape {tuple(master.shape)}")
         n = master.numel()
-        for part in PARTS:
-            self.store.allocate(f"{key}.{part}", n, torch.float32)
-        self.store.write(f"{key}.master", master.detach().to(torch.float32)).wait()
-        zeros = torch.zeros(n, dtype=torch.float32)
-        for part in ("m", "v"):
-            self.store.write(f"{key}.{part}", zeros).wait()
+        self.store.allocate(key, len(PARTS) * n, torch.float32)  # master, m, v back to back
+        state = torch.zeros(len(PARTS) * n, dtype=torch.float32)
+        state[:n].copy_(master.detach().reshape(-1))
+        self.store.write(key, state).wait()
         self.numel[key], self.decay[key], self.steps[key] = n, weight_decay, 0
         self.order.append(key)
         self.access.add(n)
@@ -219,20 +217,30 @@ class ShardOptimizer:
     # ---- state ----
     def master(self, key: str) -> torch.Tensor:
         """A fp32 copy of `key`'s master shard (on the CPU)."""
-        return self.read_part(key, "master")
+        return self.read_state(key)["master"]
 
-    def read_part(self, key: str, part: str) -> torch.Tensor:
-        """A CPU copy of one part ('master', 'm', 'v') of a shard, read through its store."""
+    def read_state(self, key: str) -> dict[str, torch.Tensor]:
+        """CPU copies of a shard's parts ('master', 'm', 'v'), read through its store in one go."""
         self.pipeline.quiesce()
-        out = torch.empty(self.numel[key], dtype=torch.float32)
-        return self.store.read(f"{key}.{part}", out).wait()
+        out = torch.empty(len(PARTS) * self.numel[key], dtype=torch.float32)
+        self.store.read(key, out).wait()
+        return dict(zip(PARTS, out.view(len(PARTS), -1).unbind(0)))
 
-    def write_part(self, key: str, part: str, value: torch.Tensor) -> None:
+    def write_state(self, key: str, parts: dict[str, torch.Tensor]) -> None:
+        """Replace a shard's master, m and v (each 1-D, of the shard's size)."""
         self.pipeline.quiesce()
-        self.store.write(f"{key}.{part}", value.detach().to(torch.float32).reshape(-1)).wait()
+        n = self.numel[key]
+        state = torch.empty(len(PARTS) * n, dtype=torch.float32)
+        for i, part in enumerate(PARTS):
+            value = parts[part].detach().reshape(-1)
+            if value.numel() != n:
+                raise ValueError(f"ShardOptimizer.write_state({key!r}): {part} has {value.numel()} elements, "
+                                 f"the shard has {n}")
+            state[i * n:(i + 1) * n].copy_(value)
+        self.store.write(key, state).wait()
 
     def state_dict(self) -> dict:
-        return {**self.state_dict_scalars(), "state": {k: {p: self.read_part(k, p) for p in PARTS} for k in self.numel}}
+        return {**self.state_dict_scalars(), "state": {k: self.read_state(k) for k in self.numel}}
 
     def state_dict_scalars(self) -> dict:
         """Everything but the tensors (JSON-ready): step counts, hyperparameters, loss scaler."""
@@ -244,8 +252,7 @@ class ShardOptimizer:
         if missing:
             raise KeyError(f"ShardOptimizer.load_state_dict: no state for shards {sorted(missing)}")
         for key, parts in sd["state"].items():
-            for part in PARTS:
-                self.write_part(key, part, parts[part])
+            self.write_state(key, parts)
         self.load_scalars(sd)
 
     def load_scalars(self, sd: dict, *, same_layout: bool = True) -> None:

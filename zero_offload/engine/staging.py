@@ -1,8 +1,9 @@
 """The staging ring: where the step puts non-addressable (nvme) optimizer state, and the thread that fills it.
 
-Three staging buffers (master, m, v) of one capacity, cut into *regions* at the same offsets: one
-region per shard, page-aligned, sized to the shard (a small shard takes little room, so the whole
-pinned budget serves the read-ahead whatever the shard sizes). Regions are placed at the ring's
+One staging buffer cut into *regions*: one per shard, page-aligned, holding the shard's master,
+m and v back to back exactly as its NVMe slot does (one read and one write per shard), and sized
+to the shard (a small shard takes little room, so the whole pinned budget serves the read-ahead
+whatever the shard sizes). Regions are placed at the ring's
 head in the order of the *plan* -- the predicted stepping order, i.e. the previous step's gradient
 arrival order -- wrapping to the start when a shard does not fit before the end.
 
@@ -34,12 +35,17 @@ import torch
 
 from zero_offload.store.base import Handle, Store
 
-PARTS = ("master", "m", "v")
+PARTS = ("master", "m", "v")  # a shard's state, back to back in its store key and its region
 ALIGN = 1024  # elements of fp32: regions start on 4 KiB pages, the drive's direct path
 
 
 def aligned(numel: int) -> int:
     return -(-max(numel, 1) // ALIGN) * ALIGN
+
+
+def span(numel: int) -> int:
+    """Ring elements a shard of `numel` takes: its three parts, page-aligned."""
+    return aligned(len(PARTS) * numel)
 
 
 class RegionState(enum.Enum):
@@ -62,7 +68,7 @@ class Region:
     writes: list[Handle] = field(default_factory=list)
 
     def overlaps(self, start: int, size: int) -> bool:
-        return self.start < start + size and start < self.start + aligned(self.numel)
+        return self.start < start + size and start < self.start + span(self.numel)
 
     def settle(self) -> None:
         """Wait for every transfer in flight (re-raising the first error)."""
@@ -95,12 +101,12 @@ class Region:
 
 
 class StagingRing:
-    """Regions of three staging buffers, filled ahead of the step by a prefetch thread."""
+    """Regions of one staging buffer, filled ahead of the step by a prefetch thread."""
 
     def __init__(self, store: Store, capacity: int) -> None:
         self.store = store
-        self.capacity = capacity  # elements per part
-        self.buffers = tuple(store.staging_buffer(capacity, torch.float32) for _ in PARTS)
+        self.capacity = capacity  # fp32 elements
+        self.buffer = store.staging_buffer(capacity, torch.float32)
         self._regions: list[Region] = []  # placement order, oldest first
         self._index: dict[str, Region] = {}
         self._head = 0
@@ -116,15 +122,19 @@ class StagingRing:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def state(self, region: Region) -> torch.Tensor:
+        """The region's master, m and v back to back: what its store key holds."""
+        return self.buffer[region.start:region.start + len(PARTS) * region.numel]
 
     def views(self, region: Region) -> tuple[torch.Tensor, ...]:
-        return tuple(b[region.start:region.start + region.numel] for b in self.buffers)
+        return self.state(region).view(len(PARTS), region.numel).unbind(0)
 
     # ---- the step worker's side ----
     def plan(self, shards: list[tuple[str, int]]) -> None:
         """Read these shards ahead, in this order, from now on (replacing any plan in progress)."""
-        if any(aligned(n) > self.capacity for _, n in shards):
+        if any(span(n) > self.capacity for _, n in shards):
             raise ValueError("StagingRing.plan: a shard is larger than the ring")
         with self._cond:
             self._plan, self._stepped = deque(shards), set()
@@ -137,7 +147,7 @@ class StagingRing:
     def acquire(self, key: str, numel: int) -> Region:
         """The region holding `key`, read and ready to step (waits for the prefetch thread).
         A failed transfer of any shard fails the next acquire: the step cannot complete."""
-        if aligned(numel) > self.capacity:
+        if span(numel) > self.capacity:
             raise ValueError(f"StagingRing.acquire({key!r}): {numel} elements do not fit the ring")
         with self._cond:
             while True:
@@ -159,8 +169,7 @@ class StagingRing:
         """Start writing the stepped region back; the ring reuses it once the writes are done."""
         writes: list[Handle] = []
         try:
-            for p, view in zip(PARTS, self.views(region)):
-                writes.append(self.store.write(f"{region.key}.{p}", view))
+            writes.append(self.store.write(region.key, self.state(region)))
         finally:
             with self._cond:
                 region.end_step(writes)
@@ -207,8 +216,7 @@ class StagingRing:
             try:
                 for v in victims:
                     v.settle()
-                for p, view in zip(PARTS, self.views(region)):
-                    reads.append(self.store.read(f"{region.key}.{p}", view))
+                reads.append(self.store.read(region.key, self.state(region)))
             except BaseException as exc:  # reported to the step by acquire()
                 _settle_quietly(reads)  # nothing may land in the region once it is forgotten
                 with self._cond:
@@ -247,7 +255,7 @@ class StagingRing:
             region = Region(key, start, numel)
             self._regions.append(region)
             self._index[key] = region
-            self._head, self._busy = start + aligned(numel), True
+            self._head, self._busy = start + span(numel), True
             return region, victims
         return None
 
@@ -259,7 +267,7 @@ class StagingRing:
 
     def _place(self, numel: int, *, evict_pending: bool) -> tuple[int, list[Region]] | None:
         """Where the next region goes and the regions it evicts; None if one of them is in use."""
-        size = aligned(numel)
+        size = span(numel)
         start = self._head if self._head + size <= self.capacity else 0
         victims = [r for r in self._regions if r.overlaps(start, size)]
         movable = (RegionState.CLEAN, RegionState.PENDING) if evict_pending else (RegionState.CLEAN,)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, aligned
+from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, span
 from zero_offload.optim.flat import adam_step_flat
 from zero_offload.store.base import Handle, Store
 
@@ -91,22 +91,22 @@ class StateAccess:
         self.store = store
         self.budget_bytes = budget_bytes
         self.max_numel = 0
-        self.total_numel = 0  # aligned, over every shard: the ring never needs more
+        self.total_span = 0  # ring elements every shard together takes: the ring never needs more
         self._ring: StagingRing | None = None
 
     def add(self, numel: int) -> None:
         """A shard was registered (before any step: a larger one replaces the ring)."""
         self.max_numel = max(self.max_numel, numel)
-        self.total_numel += aligned(numel)
+        self.total_span += span(numel)
         if self._ring is not None and self._ring.capacity < self._capacity():
             self._ring.close()
             self._ring = None
 
     def _capacity(self) -> int:
-        """Elements per part: the budget (12 B/element), at least three of the largest shard (one
-        stepping, one writing, one reading), at most every shard plus a wrap's slack."""
-        largest = aligned(self.max_numel)
-        return max(3 * largest, min(self.budget_bytes // 12 // ALIGN * ALIGN, self.total_numel + largest))
+        """fp32 elements: the budget, at least three of the largest shard (one stepping, one
+        writing, one reading), at most every shard plus a wrap's slack."""
+        largest = span(self.max_numel)
+        return max(3 * largest, min(self.budget_bytes // 4 // ALIGN * ALIGN, self.total_span + largest))
 
     def ring(self) -> StagingRing:
         if self._ring is None:
@@ -118,8 +118,9 @@ class StateAccess:
         return 0 if self._ring is None else self._ring.nbytes
 
     def resident(self, key: str) -> tuple[torch.Tensor, ...] | None:
-        views = tuple(self.store.view(f"{key}.{p}") for p in PARTS)
-        return None if any(v is None for v in views) else views  # type: ignore[return-value]
+        """(master, m, v) as views of the store's own tensor, or None when it is not addressable."""
+        state = self.store.view(key)
+        return None if state is None else state.view(len(PARTS), -1).unbind(0)
 
     def plan(self, shards: list[tuple[str, int]]) -> None:
         """Start reading these shards ahead, in this (predicted stepping) order."""
