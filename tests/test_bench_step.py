@@ -26,14 +26,14 @@ TINY = ["--d-model", "64", "--layers", "2", "--tokens", "8", "--steps", "1", "--
 
 
 def test_tiny_run_reports_every_part_and_full_drive_traffic(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    args = _args(TINY + ["--staging-mib", "0.25", "--nvme-path", str(tmp_path), "--json"])
+    args = _args(TINY + ["--staging-mib", "0.6", "--nvme-path", str(tmp_path), "--json"])
     assert bench_step.main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["seconds"]) == {"fwd+bwd", "cpu adam", "nvme", "step", "serial step"}
     assert all(v > 0 for v in result["seconds"].values())
     state = result["optimizer_state_bytes"]
     assert state >= 12 * result["params"]  # master + m + v, 4 bytes each, padding included
-    # The smallest ring (three of the largest shard) cannot hold four such shards: taken in turn,
+    # A ring of three such shards (0.6 MiB) cannot hold four: taken in turn,
     # every shard is read before and written after its update, every step (no more: the
     # next step's read-ahead is not counted).
     assert result["drive_bytes_per_step"]["read"] == pytest.approx(state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from zero_offload.config import Config
 from zero_offload.engine.staging import ALIGN, PARTS, RegionState, StagingRing, span
 from zero_offload.store import make_store
-from zero_offload.store.base import Store
+from zero_offload.store.base import Handle, Store
 
 
 def _store(tmp_path: Path) -> Store:
@@ -163,4 +164,220 @@ def test_a_shard_larger_than_the_ring_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="do not fit the ring"):
         ring.acquire("x", 3 * ALIGN)
     ring.close()
+    store.close()
+
+
+class LazyStore(Store):
+    """A store whose transfers happen only when waited for, after a random pause: a transfer is
+    "in flight" from submission to wait(), which is what lets a test catch the ring reusing
+    memory under a transfer, or reading a shard while its write-back is still pending."""
+
+    tier = "nvme"
+
+    def __init__(self, seed: int = 0, fail: Callable[[str, str], bool] = lambda op, key: False) -> None:
+        self.data: dict[str, torch.Tensor] = {}
+        self.fail = fail
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.in_flight: list[tuple[str, str, int, int, object]] = []
+        self.violations: list[str] = []
+        self.reads = 0
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        self.data[key] = torch.zeros(numel)
+
+    def staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype)
+
+    def _begin(self, op: str, key: str, t: torch.Tensor) -> object:
+        lo, hi, token = t.data_ptr(), t.data_ptr() + 4 * t.numel(), object()
+        with self.lock:
+            for op2, key2, lo2, hi2, _ in self.in_flight:
+                if lo < hi2 and lo2 < hi:
+                    self.violations.append(f"{op} of {key} overlaps the {op2} of {key2} in flight")
+                if op == "read" and op2 == "write" and key2 == key:
+                    self.violations.append(f"read of {key} behind its pending write")
+            self.in_flight.append((op, key, lo, hi, token))
+        return token
+
+    def _finish(self, op: str, key: str, token: object, move: Callable[[], None]) -> None:
+        threading.Event().wait(0.002 * self.rng.random())
+        move()
+        with self.lock:
+            self.in_flight = [e for e in self.in_flight if e[4] is not token]
+        if self.fail(op, key):
+            raise OSError(5, f"simulated {op} failure of {key}")
+
+    def write(self, key: str, src: torch.Tensor) -> Handle:
+        token, snapshot = self._begin("write", key, src), src.clone()
+
+        def done() -> None:
+            if not torch.equal(snapshot, src):
+                self.violations.append(f"the source of {key}'s write changed while in flight")
+            self._finish("write", key, token, lambda: self.data[key].copy_(snapshot))
+        return Handle(done, src)
+
+    def read(self, key: str, dst: torch.Tensor) -> Handle:
+        token = self._begin("read", key, dst)
+        self.reads += 1
+        return Handle(lambda: self._finish("read", key, token, lambda: dst.copy_(self.data[key])), dst)
+
+    def free(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    def keys(self) -> list[str]:
+        return list(self.data)
+
+    def bytes_retained(self) -> int:
+        return 0
+
+    def peak_bytes(self) -> int:
+        return 0
+
+
+def test_shuffled_orders_with_slow_transfers_never_race(tmp_path: Path) -> None:
+    """Forty steps of mixed sizes in a changing order, every transfer slow and completed late:
+    no memory is reused under a transfer, no read runs behind its shard's write-back, and every
+    update reaches the store."""
+    store = LazyStore(seed=1)
+    rng = random.Random(2)
+    sizes = {f"s{i}": rng.choice([10, 700, 1500, 3000]) for i in range(10)}
+    expected = _fill(store, sizes)
+    ring = StagingRing(store, 3 * span(3000) + 2 * ALIGN)
+    order = list(sizes)
+    for step in range(40):
+        ring.plan([(k, sizes[k]) for k in order])
+        if step % 3 == 0:
+            order = order[:]
+            rng.shuffle(order)
+        for key in order:
+            region = ring.acquire(key, sizes[key])
+            for part, view in zip(PARTS, ring.views(region)):
+                assert torch.equal(view, expected[key, part]), (step, key, part)
+                view.add_(1.0)
+                expected[key, part] = view.clone()
+            ring.release(region)
+    ring.close()
+    assert store.violations == []
+    for (key, part), value in expected.items():
+        assert torch.equal(_stored(store, key, part, sizes[key]), value), (key, part)
+
+
+def test_a_failed_write_back_is_reported_until_the_shard_is_rewritten() -> None:
+    """The drive keeps an older copy of a shard whose write-back failed: the error fails the next
+    acquire of any shard; after flush(after_error=True) that shard stays refused (its update
+    exists nowhere else), the others go on; writing it anew clears it."""
+    broken = {"on": False}
+    store = LazyStore(fail=lambda op, key: op == "write" and key == "a" and broken["on"])
+    sizes = {"a": 1024, "b": 1024, "c": 1024}
+    _fill(store, sizes)
+    broken["on"] = True
+    ring = StagingRing(store, 2 * span(1024))  # two regions: "c" evicts "a"
+    ring.plan(list(sizes.items()))
+    for key in ("a", "b"):
+        ring.release(ring.acquire(key, 1024))
+    with pytest.raises(OSError, match="simulated write failure of a"):
+        ring.acquire("c", 1024)
+    ring.flush(after_error=True)
+    broken["on"] = False
+    with pytest.raises(RuntimeError, match="write-back of optimizer shard 'a'.*older copy"):
+        ring.acquire("a", 1024)
+    with pytest.raises(RuntimeError, match="shard 'a'"):
+        ring.check("a")
+    ring.check("b")
+    ring.release(ring.acquire("b", 1024))
+    ring.rewritten("a")
+    ring.release(ring.acquire("a", 1024))
+    ring.close()
+    assert store.violations == []
+
+
+def test_every_evicted_region_is_settled_even_when_one_fails() -> None:
+    """One placement evicts three small regions and the first one's write-back fails: the other
+    two are still waited for (no transfer is left untracked under reused memory)."""
+    broken = {"on": False}
+    store = LazyStore(fail=lambda op, key: op == "write" and key == "a" and broken["on"])
+    sizes = {"a": 300, "b": 300, "c": 300, "big": 3 * ALIGN}
+    _fill(store, sizes)
+    broken["on"] = True
+    ring = StagingRing(store, span(3 * ALIGN))
+    ring.plan([(k, 300) for k in "abc"])
+    for key in "abc":
+        ring.release(ring.acquire(key, 300))
+    ring.plan([("big", 3 * ALIGN)])
+    with pytest.raises(OSError, match="simulated write failure of a"):
+        ring.acquire("big", 3 * ALIGN)
+    assert store.in_flight == []  # b's and c's write-backs were waited for too
+    with pytest.raises(RuntimeError, match="shard 'a'"):
+        ring.check("a")
+    ring.close(after_error=True)
+
+
+def test_a_replan_while_a_shard_is_being_read_unpins_it() -> None:
+    """A shard the prefetch thread was reading when the plan changed must not stay pinned:
+    the new plan's shards get its room."""
+    gate = threading.Event()
+
+    class SlowFirstRead(LazyStore):
+        def read(self, key: str, dst: torch.Tensor) -> Handle:
+            if key == "x":
+                gate.wait(5)  # hold the prefetch thread inside the read submission
+            return super().read(key, dst)
+    store = SlowFirstRead()
+    sizes = {"x": 1024, "y": 1024, "z": 1024}
+    _fill(store, sizes)
+    ring = StagingRing(store, span(1024))  # room for one shard at a time
+    ring.plan([("x", 1024)])
+    threading.Event().wait(0.05)
+    ring.plan([("y", 1024), ("z", 1024)])
+    gate.set()
+    for _ in range(2000):  # the plan alone (no acquire, so no demand) must get "y" its room
+        with ring._cond:  # noqa: SLF001
+            if "y" in ring._index:  # noqa: SLF001
+                break
+        threading.Event().wait(0.001)
+    assert "y" in ring._index and "x" not in ring._index  # noqa: SLF001
+    ring.release(ring.acquire("y", 1024))
+    ring.close()
+
+
+def test_a_dead_prefetch_thread_fails_acquire_instead_of_hanging(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store(tmp_path)
+    _fill(store, {"a": 1024})
+
+    def broken(self: StagingRing) -> None:
+        raise AssertionError("simulated bug")
+    monkeypatch.setattr(StagingRing, "_next_job", broken)
+    ring = StagingRing(store, span(1024))
+    ring.plan([("a", 1024)])
+    outcome: list[BaseException] = []
+
+    def acquire() -> None:
+        try:
+            ring.acquire("a", 1024)
+        except BaseException as exc:  # noqa: BLE001 -- inspected below
+            outcome.append(exc)
+    waiter = threading.Thread(target=acquire, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive(), "acquire() hangs when the prefetch thread is gone"
+    assert len(outcome) == 1 and "prefetch thread stopped: AssertionError" in str(outcome[0])
+    store.close()
+
+
+def test_the_ring_budget(tmp_path: Path) -> None:
+    """Sized by pinned_budget_bytes, capped at what every shard needs, never below the largest
+    shard; a budget below three of the largest is warned about (no overlap then)."""
+    from zero_offload.engine.step import StateAccess
+
+    store = _store(tmp_path)
+    access = StateAccess(store, budget_bytes=100 * 4 * ALIGN)
+    for n in (4 * ALIGN, 4 * ALIGN, ALIGN):
+        access.add(n)
+    assert access._capacity() == span(4 * ALIGN) * 2 + span(ALIGN) + span(4 * ALIGN)  # noqa: SLF001
+    small = StateAccess(store, budget_bytes=4 * ALIGN)
+    small.add(4 * ALIGN)
+    with pytest.warns(UserWarning, match="fewer than three of the largest optimizer shard"):
+        assert small._capacity() == span(4 * ALIGN)  # noqa: SLF001
     store.close()

@@ -105,7 +105,7 @@ def _nvme_only(engine: object) -> Callable[[], None]:
     """Read and write back every shard's state through the engine's own store and staging ring,
     with the same read-ahead as a step (the ring's prefetch thread), and no compute."""
     so = engine.runtime.shard_optimizer  # type: ignore[attr-defined]
-    shards = [(k, so.numel[k]) for k in so.order]
+    shards = so.planned()  # the store keys in stepping order (a shard larger than a third of the ring is pieces)
 
     def run() -> None:
         so.access.flush()  # forget what the ring holds: every shard is read from the drive
@@ -142,9 +142,9 @@ def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: 
     return engine, run
 
 
-def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int]:
+def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int, int]:
     """Per-round seconds of every part, the overlapped engine's drive traffic per step
-    (read, written) and the optimizer state's bytes."""
+    (read, written), the optimizer state's bytes and the staging ring's."""
     x = torch.randn(args.tokens, args.d_model)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
         os.makedirs(os.path.join(nvme, "serial"))
@@ -158,14 +158,15 @@ def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[flo
         unused = engine.runtime.shard_optimizer.access.flush()  # type: ignore[attr-defined]  # worker idle after step()
         read, written = _traffic(engine)
         after = (read - unused, written)  # the next step's read-ahead is not this window's traffic
+        ring_bytes = engine.runtime.shard_optimizer.access.staging_bytes  # type: ignore[attr-defined]
         per_step = [(a - b) / max(step.calls, 1) for a, b in zip(after, before)]  # type: ignore[attr-defined]
         engine.close()
         serial_engine.close()
-    return times, per_step, 12 * sum(sizes)
+    return times, per_step, 12 * sum(sizes), ring_bytes
 
 
 def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[float]],
-               per_step: list[float], state_bytes: int) -> dict:
+               per_step: list[float], state_bytes: int, ring_bytes: int) -> dict:
     figures = {name: statistics.median(t) for name, t in times.items()}
     pieces = [figures[k] for k in ("fwd+bwd", "cpu adam", io_name)]
     ratios = _round_ratios(times, ("fwd+bwd", "cpu adam", io_name))
@@ -175,7 +176,7 @@ def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[flo
             "step_over_largest_per_round": ratios,
             "step_over_largest_of_medians": figures["step"] / max(pieces),
             "drive_bytes_per_step": {"read": per_step[0], "written": per_step[1]},
-            "optimizer_state_bytes": state_bytes,
+            "optimizer_state_bytes": state_bytes, "staging_ring_bytes": ring_bytes,
             "overlap_pct": 100.0 * (sum(pieces) - figures["step"]) / max(sum(pieces) - max(pieces), 1e-12)}
 
 
@@ -187,7 +188,7 @@ def _print(args: argparse.Namespace, result: dict) -> None:
     mib, traffic, ratios = 2.0 ** 20, result["drive_bytes_per_step"], result["step_over_largest_per_round"]
     print(f"  drive traffic per step   {traffic['read'] / mib:9.1f} MiB read, {traffic['written'] / mib:.1f} MiB "
           f"written (optimizer state: {result['optimizer_state_bytes'] / mib:.1f} MiB; "
-          f"staging ring: {args.staging_mib:.0f} MiB)")
+          f"staging ring: {result['staging_ring_bytes'] / mib:.1f} MiB)")
     print(f"  step / largest part      {result['step_over_largest']:9.2f} x   (median of the per-round ratios; "
           f"rounds {min(ratios):.2f}-{max(ratios):.2f}; of the medians above: "
           f"{result['step_over_largest_of_medians']:.2f} x)")

@@ -26,6 +26,7 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config
+from zero_offload.engine.pieces import Assembly, Piece, piece_limit, split
 from zero_offload.engine.precision import LossScaler, clip_coefficient
 from zero_offload.engine.step import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
 from zero_offload.store import make_store
@@ -80,8 +81,11 @@ class ShardOptimizer:
         # in backward's hooks, where waiting on a write would stall the CPU behind the GPU.
         self.stream_updates = stream_updates and on_updated is not None and kernel.host
         on_done = self._stream if self.stream_updates else None
-        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self._planned, on_done)
+        self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self.planned, on_done)
         self.numel: dict[str, int] = {}
+        self.pieces: dict[str, list[Piece]] = {}  # shard -> its pieces (pieces.py)
+        self._piece: dict[str, Piece] = {}  # piece key -> piece
+        self._assembly = Assembly()
         self.decay: dict[str, bool] = {}
         self.steps: dict[str, int] = {}
         self.order: list[str] = []  # gradient-arrival order of the last step (predicts prefetches)
@@ -99,13 +103,17 @@ class ShardOptimizer:
         if master.dim() != 1:
             raise ValueError(f"ShardOptimizer.add_shard({key!r}): master must be 1-D, got shape {tuple(master.shape)}")
         n = master.numel()
-        self.store.allocate(key, len(PARTS) * n, torch.float32)  # master, m, v back to back
-        state = torch.zeros(len(PARTS) * n, dtype=torch.float32)
-        state[:n].copy_(master.detach().reshape(-1))
-        self.store.write(key, state).wait()
         self.numel[key], self.decay[key], self.steps[key] = n, weight_decay, 0
+        self.pieces[key] = split(key, n, None if self.store.addressable else piece_limit(self.access.budget_bytes))
+        flat = master.detach().reshape(-1)
+        for piece in self.pieces[key]:
+            self.store.allocate(piece.key, len(PARTS) * piece.numel, torch.float32)  # master, m, v back to back
+            state = torch.zeros(len(PARTS) * piece.numel, dtype=torch.float32)
+            state[:piece.numel].copy_(flat[piece.lo:piece.hi])
+            self.store.write(piece.key, state).wait()
+            self._piece[piece.key] = piece
+            self.access.add(piece.numel)
         self.order.append(key)
-        self.access.add(n)
 
     # ---- the step ----
     def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False) -> None:
@@ -121,7 +129,7 @@ class ShardOptimizer:
         grad, ready = self._to_kernel(grad.reshape(-1), owned)
         self._arrived.append(key)
         if self.eager:
-            self.pipeline.submit(Job(key, self.numel[key], grad, self._scalars(key, 1.0), ready))
+            self._submit(key, grad, self._scalars(key, 1.0), ready)
             return
         if ready is not None:
             ready.wait()
@@ -137,9 +145,11 @@ class ShardOptimizer:
             if not self.eager and not self._submit_held():
                 return False
             for job in self.pipeline.drain():
-                self.steps[job.key] = job.scalars.step
+                self.steps[self._piece[job.key].owner] = job.scalars.step
                 if self.on_updated is not None and not self.stream_updates:
-                    self.on_updated(job.key, job.out, job.out_owned)
+                    done = self._updated(job)
+                    if done is not None:
+                        self.on_updated(*done)
             self.optimizer.step()
             return True
         finally:
@@ -161,12 +171,35 @@ class ShardOptimizer:
             return False
         factor = clip_coefficient(norm, self.config.clip_grad_norm) / scale
         for key in self._arrived:
-            self.pipeline.submit(Job(key, self.numel[key], self._held_loader(key), self._scalars(key, factor)))
+            self._submit(key, self._held_loader(key), self._scalars(key, factor))
         return True
+
+    def _submit(self, key: str, grad: torch.Tensor | Callable[[], torch.Tensor], scalars: Scalars,
+                ready: Any = None) -> None:
+        """One job per piece of `key`; a split shard's pieces write into one assembled buffer."""
+        pieces = self.pieces[key]
+        if len(pieces) == 1:
+            self.pipeline.submit(Job(key, self.numel[key], grad, scalars, ready))
+            return
+        full = self._assembly.begin(key, self.numel[key], len(pieces), self.compute_dtype)
+        load = _shared(grad)
+        for p in pieces:
+            self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), scalars, ready, into=full[p.lo:p.hi]))
+
+    def _updated(self, job: Job) -> tuple[str, torch.Tensor, bool] | None:
+        """(shard, updated compute copy, owned) once `job` completes its shard, else None."""
+        piece = self._piece[job.key]
+        if piece.key == piece.owner:
+            assert job.out is not None
+            return piece.owner, job.out, job.out_owned
+        full = self._assembly.piece_done(piece.owner)
+        return None if full is None else (piece.owner, full, True)
 
     def _stream(self, job: Job) -> None:
         assert self.on_updated is not None
-        self.on_updated(job.key, job.out, job.out_owned)
+        done = self._updated(job)
+        if done is not None:
+            self.on_updated(*done)
 
     def _held_loader(self, key: str) -> Callable[[], torch.Tensor]:
         store, numel = self.grad_store, self.numel[key]
@@ -180,6 +213,7 @@ class ShardOptimizer:
         return load
 
     def _end_step(self) -> None:
+        self._assembly.abandon()  # empty unless the step failed part way
         if self._arrived:
             self.order = list(self._arrived) + [k for k in self.order if k not in self._arrived]
         self._arrived, self._held, self._sq_norm = [], set(), 0.0
@@ -205,9 +239,9 @@ class ShardOptimizer:
                           pin_memory=self.kernel_device.type == "cpu" and torch.cuda.is_available())
         return dst, copy_async(dst, grad)
 
-    def _planned(self) -> list[tuple[str, int]]:
-        """The shards in their expected stepping order (the last step's arrival order)."""
-        return [(k, self.numel[k]) for k in self.order]
+    def planned(self) -> list[tuple[str, int]]:
+        """The pieces in their expected stepping order (the last step's arrival order)."""
+        return [(p.key, p.numel) for k in self.order for p in self.pieces[k]]
 
     def prefetch(self) -> None:
         """Start reading the first shards' state for the coming step (the engine calls it at the
@@ -222,22 +256,26 @@ class ShardOptimizer:
     def read_state(self, key: str) -> dict[str, torch.Tensor]:
         """CPU copies of a shard's parts ('master', 'm', 'v'), read through its store in one go."""
         self.pipeline.quiesce()
-        out = torch.empty(len(PARTS) * self.numel[key], dtype=torch.float32)
-        self.store.read(key, out).wait()
-        return dict(zip(PARTS, out.view(len(PARTS), -1).unbind(0)))
+        out = torch.empty(len(PARTS), self.numel[key], dtype=torch.float32)
+        for p in self.pieces[key]:
+            self.access.check(p.key)
+            piece = self.store.read(p.key, torch.empty(len(PARTS) * p.numel, dtype=torch.float32)).wait()
+            out[:, p.lo:p.hi].copy_(piece.view(len(PARTS), -1))
+        return dict(zip(PARTS, out.unbind(0)))
 
     def write_state(self, key: str, parts: dict[str, torch.Tensor]) -> None:
         """Replace a shard's master, m and v (each 1-D, of the shard's size)."""
         self.pipeline.quiesce()
         n = self.numel[key]
-        state = torch.empty(len(PARTS) * n, dtype=torch.float32)
-        for i, part in enumerate(PARTS):
-            value = parts[part].detach().reshape(-1)
+        values = [parts[part].detach().reshape(-1) for part in PARTS]
+        for part, value in zip(PARTS, values):
             if value.numel() != n:
                 raise ValueError(f"ShardOptimizer.write_state({key!r}): {part} has {value.numel()} elements, "
                                  f"the shard has {n}")
-            state[i * n:(i + 1) * n].copy_(value)
-        self.store.write(key, state).wait()
+        for p in self.pieces[key]:
+            state = torch.cat([v[p.lo:p.hi].to(torch.float32) for v in values])
+            self.store.write(p.key, state).wait()
+            self.access.rewritten(p.key)
 
     def state_dict(self) -> dict:
         return {**self.state_dict_scalars(), "state": {k: self.read_state(k) for k in self.numel}}
@@ -281,3 +319,20 @@ class ShardOptimizer:
         self.pipeline.close()
         self.store.close()
         self.grad_store.close()
+
+
+def _shared(grad: torch.Tensor | Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The gradient, loaded at most once for all the pieces of its shard."""
+    if not callable(grad):
+        return lambda: grad
+    cache: list[torch.Tensor] = []
+
+    def load() -> torch.Tensor:
+        if not cache:
+            cache.append(grad())
+        return cache[0]
+    return load
+
+
+def _slicer(load: Callable[[], torch.Tensor], lo: int, hi: int) -> Callable[[], torch.Tensor]:
+    return lambda: load()[lo:hi]

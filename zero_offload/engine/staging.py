@@ -64,6 +64,7 @@ class Region:
     numel: int
     state: RegionState = RegionState.LOADING
     unused: bool = False  # read from the drive and not stepped since
+    write_failed: bool = False  # a write-back failed: the drive's copy of the shard is older
     reads: list[Handle] = field(default_factory=list)
     writes: list[Handle] = field(default_factory=list)
 
@@ -71,10 +72,19 @@ class Region:
         return self.start < start + size and start < self.start + span(self.numel)
 
     def settle(self) -> None:
-        """Wait for every transfer in flight (re-raising the first error)."""
-        pending, self.reads, self.writes = self.reads + self.writes, [], []
-        for h in pending:
-            h.wait()
+        """Wait for every transfer in flight, then re-raise the first error (a region is only
+        reused once nothing of it is in flight, failed or not)."""
+        pending = [(h, False) for h in self.reads] + [(h, True) for h in self.writes]
+        self.reads, self.writes = [], []
+        first: BaseException | None = None
+        for h, is_write in pending:
+            try:
+                h.wait()
+            except BaseException as exc:
+                self.write_failed = self.write_failed or is_write
+                first = first or exc
+        if first is not None:
+            raise first
 
     # ---- transitions ----
     def loaded(self, reads: list[Handle]) -> None:
@@ -112,9 +122,12 @@ class StagingRing:
         self._head = 0
         self._plan: deque[tuple[str, int]] = deque()
         self._demand: tuple[str, int] | None = None
+        self._planned: set[str] = set()
         self._stepped: set[str] = set()  # acquired since the plan was set: not pinned again
         self._busy = False  # the prefetch thread holds a region outside the lock
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # fails the next acquire; flush() clears it
+        self._stale: dict[str, str] = {}  # key -> why the drive's copy is older (until rewritten)
+        self._dead: str | None = None  # the prefetch thread stopped: why
         self._closing = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="zero-offload-prefetch", daemon=True)
@@ -138,9 +151,9 @@ class StagingRing:
             raise ValueError("StagingRing.plan: a shard is larger than the ring")
         with self._cond:
             self._plan, self._stepped = deque(shards), set()
-            keys = {k for k, _ in shards}
+            self._planned = {k for k, _ in shards}
             for r in self._regions:
-                if r.state is RegionState.PENDING and r.key not in keys:
+                if r.state is RegionState.PENDING and r.key not in self._planned:
                     r.unpin()
             self._cond.notify_all()
 
@@ -151,8 +164,7 @@ class StagingRing:
             raise ValueError(f"StagingRing.acquire({key!r}): {numel} elements do not fit the ring")
         with self._cond:
             while True:
-                if self._error is not None:
-                    raise self._error
+                self._raise_if_unusable(key)
                 r = self._index.get(key)
                 if r is not None and r.state in (RegionState.PENDING, RegionState.CLEAN):
                     break
@@ -162,26 +174,64 @@ class StagingRing:
                 self._cond.wait()
             r.begin_step()
             self._stepped.add(key)
-        r.settle()  # its reads, or a write-back from an earlier step still in flight
+        try:
+            r.settle()  # its reads, or a write-back from an earlier step still in flight
+        except BaseException:
+            with self._cond:
+                self._note_failure(r)
+            raise
         return r
+
+    def check(self, key: str) -> None:
+        """Raise if the drive's copy of `key` is older than its last update (a write-back failed)."""
+        with self._cond:
+            if key in self._stale:
+                raise RuntimeError(self._stale[key])
+
+    def rewritten(self, key: str) -> None:
+        """`key` was written to the store anew (e.g. from a checkpoint): its copy is current."""
+        with self._cond:
+            self._stale.pop(key, None)
+
+    def _raise_if_unusable(self, key: str) -> None:
+        if self._error is not None:
+            raise self._error
+        if key in self._stale:
+            raise RuntimeError(self._stale[key])
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+
+    def _note_failure(self, region: Region) -> None:
+        """Under the lock, after a region's transfer failed: a failed write-back leaves the drive
+        with an older copy, which no later step may read as if it were current."""
+        if region.write_failed and region.key not in self._stale:
+            self._stale[region.key] = (f"the write-back of optimizer shard {region.key!r} to the drive failed; "
+                                       "the drive holds an older copy of its state: load a checkpoint to go on")
 
     def release(self, region: Region) -> None:
         """Start writing the stepped region back; the ring reuses it once the writes are done."""
         writes: list[Handle] = []
         try:
             writes.append(self.store.write(region.key, self.state(region)))
+        except BaseException:
+            region.write_failed = True
+            raise
         finally:
             with self._cond:
                 region.end_step(writes)
+                if region.write_failed:
+                    self._note_failure(region)
                 self._cond.notify_all()
 
     def flush(self, *, after_error: bool = False) -> int:
         """Drop the plan, finish every transfer and forget every region (the store may change
-        behind the ring); return the bytes read ahead and never stepped (benchmarks subtract
-        them from the drive traffic). After a failure a region may hold a half-updated shard:
-        forgetting it keeps the next step reading the store's copy."""
+        behind the ring). Returns the bytes read into regions still held and never stepped:
+        read-ahead for a step that has not run, which benchmarks leave out of a step's traffic.
+        After a failure a region may hold a half-updated shard: forgetting it keeps the next step
+        reading the store's copy. A failed write-back stays reported (check(), acquire()) until
+        the shard is rewritten."""
         with self._cond:
-            self._plan, self._demand, self._stepped = deque(), None, set()
+            self._plan, self._demand, self._stepped, self._planned = deque(), None, set(), set()
             while self._busy:
                 self._cond.wait()
             regions, self._regions, self._index, self._head = self._regions, [], {}, 0
@@ -189,8 +239,11 @@ class StagingRing:
         for r in regions:
             try:
                 r.settle()
-            except Exception as exc:
+            except BaseException as exc:
                 err = err or exc
+        with self._cond:
+            for r in regions:
+                self._note_failure(r)
         if err is not None and not after_error:
             raise err
         return sum(12 * r.numel for r in regions if r.unused)
@@ -206,30 +259,56 @@ class StagingRing:
 
     # ---- the prefetch thread ----
     def _run(self) -> None:
-        while True:
+        try:
+            while self._serve_one():
+                pass
+        except BaseException as exc:  # a bug, not an I/O error: never leave acquire() waiting
             with self._cond:
-                job = self._next_job()
-                if job is None:
-                    return
-                region, victims = job
-            reads: list[Handle] = []
-            try:
-                for v in victims:
-                    v.settle()
-                reads.append(self.store.read(region.key, self.state(region)))
-            except BaseException as exc:  # reported to the step by acquire()
-                _settle_quietly(reads)  # nothing may land in the region once it is forgotten
-                with self._cond:
-                    self._forget(region)
-                    self._error, self._busy = self._error or exc, False
-                    self._cond.notify_all()
-                continue
-            with self._cond:
-                region.loaded(reads)
+                self._dead = f"the staging ring's prefetch thread stopped: {exc!r}"
                 self._busy = False
                 self._cond.notify_all()
 
-    def _next_job(self) -> tuple[Region, list[Region]] | None:
+    def _serve_one(self) -> bool:
+        """Place the next planned (or demanded) shard and start its read; False when closing."""
+        with self._cond:
+            job = self._next_job()
+            if job is None:
+                return False
+            region, victims, demanded = job
+        reads: list[Handle] = []
+        try:
+            self._settle_victims(victims)
+            reads.append(self.store.read(region.key, self.state(region)))
+        except BaseException as exc:  # reported to the step by acquire()
+            _settle_quietly(reads)  # nothing may land in the region once it is forgotten
+            with self._cond:
+                self._forget(region)
+                self._error, self._busy = self._error or exc, False
+                self._cond.notify_all()
+            return True
+        with self._cond:
+            region.loaded(reads)
+            if not demanded and region.key not in self._planned:  # the plan changed meanwhile
+                region.unpin()
+            self._busy = False
+            self._cond.notify_all()
+        return True
+
+    def _settle_victims(self, victims: list[Region]) -> None:
+        """Wait for every evicted region's transfers (all of them, even after one failed)."""
+        first: BaseException | None = None
+        for v in victims:
+            try:
+                v.settle()
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            with self._cond:
+                for v in victims:
+                    self._note_failure(v)
+            raise first
+
+    def _next_job(self) -> tuple[Region, list[Region], bool] | None:
         """Under the lock: wait for a shard to place and room for it; None when closing."""
         while not self._closing:
             entry = self._demand or (self._plan[0] if self._plan else None)
@@ -256,7 +335,7 @@ class StagingRing:
             self._regions.append(region)
             self._index[key] = region
             self._head, self._busy = start + span(numel), True
-            return region, victims
+            return region, victims, demanded
         return None
 
     def _consume(self, entry: tuple[str, int]) -> None:

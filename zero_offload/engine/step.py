@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +49,7 @@ class Job:
     ready: Handle | None = None  # the gradient's own transfer (device → host), if any
     out: torch.Tensor | None = None  # filled: updated weights in the compute dtype
     out_owned: bool = False  # out is a fresh tensor (not the store's master): the receiver may keep it
+    into: torch.Tensor | None = None  # write the updated weights here (a piece's slice of its shard's)
 
 
 class HostAdam:
@@ -98,20 +100,35 @@ class StateAccess:
         """A shard was registered (before any step: a larger one replaces the ring)."""
         self.max_numel = max(self.max_numel, numel)
         self.total_span += span(numel)
-        if self._ring is not None and self._ring.capacity < self._capacity():
-            self._ring.close()
-            self._ring = None
+        if self._ring is not None and self._ring.capacity < span(self.max_numel):
+            ring, self._ring = self._ring, None
+            ring.close()
 
     def _capacity(self) -> int:
-        """fp32 elements: the budget, at least three of the largest shard (one stepping, one
-        writing, one reading), at most every shard plus a wrap's slack."""
+        """fp32 elements: the budget, at most every shard plus a wrap's slack, and at least the
+        largest shard (the least that works; three -- one stepping, one writing, one reading --
+        is what overlaps, and a smaller budget is warned about)."""
         largest = span(self.max_numel)
-        return max(3 * largest, min(self.budget_bytes // 4 // ALIGN * ALIGN, self.total_span + largest))
+        budget = self.budget_bytes // 4 // ALIGN * ALIGN
+        if budget < 3 * largest:
+            warnings.warn(f"pinned_budget_bytes = {self.budget_bytes} holds fewer than three of the largest "
+                          f"optimizer shard ({4 * largest} bytes of master + m + v): NVMe reads and writes will "
+                          "not overlap the optimizer step; raise it, or use smaller buckets / units", stacklevel=3)
+        return max(largest, min(budget, self.total_span + largest))
 
     def ring(self) -> StagingRing:
         if self._ring is None:
             self._ring = StagingRing(self.store, self._capacity())
         return self._ring
+
+    def check(self, key: str) -> None:
+        """Raise if the drive holds an older copy of `key` than its last update (see staging.py)."""
+        if self._ring is not None:
+            self._ring.check(key)
+
+    def rewritten(self, key: str) -> None:
+        if self._ring is not None:
+            self._ring.rewritten(key)
 
     @property
     def staging_bytes(self) -> int:
@@ -139,7 +156,8 @@ class StateAccess:
 
     def release(self, region: Region | None) -> None:
         if region is not None:
-            self.ring().release(region)
+            assert self._ring is not None, "a region outlived its ring"
+            self._ring.release(region)
 
     def flush(self, *, after_error: bool = False) -> int:
         """Finish every transfer in flight and forget what the ring holds; return the bytes that
@@ -234,7 +252,13 @@ class StepPipeline:
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad
-        if self.out_dtype == torch.float32:
+        if job.into is not None:
+            lowp = job.into if self.out_dtype != torch.float32 else None
+            self.kernel(master, grad, m, v, job.scalars, lowp)
+            if lowp is None:
+                job.into.copy_(master)
+            job.out, job.out_owned = job.into, True
+        elif self.out_dtype == torch.float32:
             self.kernel(master, grad, m, v, job.scalars, None)
             job.out = master.clone() if staged is not None else master
             job.out_owned = staged is not None

@@ -32,6 +32,7 @@ class Store(ABC):
     """Bytes of one state group on one tier, by key."""
 
     tier: str = ""
+    addressable: bool = False  # view() returns the stored tensor itself (the resident tiers)
 
     @abstractmethod
     def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:

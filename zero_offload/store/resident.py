@@ -55,6 +55,8 @@ def _side_stream(device: torch.device, direction: str) -> "torch.cuda.Stream":
 class ResidentStore(Store):
     """One tensor per key on `device`; `pin` allocates page-locked host memory (CUDA only)."""
 
+    addressable = True
+
     def __init__(self, device: torch.device, *, pin: bool = False) -> None:
         self.device = torch.device(device)
         self.pin = bool(pin) and self.device.type == "cpu" and torch.cuda.is_available()
