@@ -82,6 +82,7 @@ class BucketRuntime:
             updated = self._updated.pop(b.key, None)
             if updated is not None:
                 self._install(b, *updated)
+        self.shard_optimizer.prefetch()  # after the installs: its thread would compete for the GIL
         return applied
 
     def _install(self, b: Bucket, shard: torch.Tensor, owned: bool = False) -> None:

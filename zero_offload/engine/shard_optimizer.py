@@ -154,7 +154,6 @@ class ShardOptimizer:
             return True
         finally:
             self._end_step()
-            self.pipeline.prefetch()  # the next step's reads start now, not at its forward
 
     def _submit_held(self) -> bool:
         """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""
@@ -244,8 +243,9 @@ class ShardOptimizer:
         return [(p.key, p.numel) for k in self.order for p in self.pieces[k]]
 
     def prefetch(self) -> None:
-        """Start reading the first shards' state for the coming step (the engine calls it at the
-        forward of a boundary micro-batch, so NVMe reads overlap forward too)."""
+        """Start reading the coming step's state (the runtimes call it at the end of a step, once
+        the updated shards are installed, and at the forward of a boundary micro-batch), so the
+        NVMe reads overlap whatever comes before the next backward."""
         self.pipeline.prefetch()
 
     # ---- state ----

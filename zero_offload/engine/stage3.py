@@ -302,6 +302,7 @@ class Stage3Runtime:
         if applied:
             self._regather_resident()
         self.prefetcher.warm_start()
+        self.shard_optimizer.prefetch()  # the optimizer's reads for the next step start now
         return applied
 
     def _on_updated(self, key: str, shard: torch.Tensor, owned: bool = False) -> None:
