@@ -77,7 +77,7 @@ def main() -> None:
           f"({ram / GiB:.1f} GiB)", flush=True)
     with tempfile.TemporaryDirectory(prefix="zo-bigger-", dir=a.nvme_dir) as nvme:
         # Units are the blocks' Linear/LayerNorm children (unit_bytes below a whole block): smaller
-        # shards keep the optimizer's staging sets and the gathered bytes small.
+        # shards keep the gathered bytes small.
         fc = 4 * a.width * a.width * 4
         cfg = Config(stage=3, tiers={"params": "nvme", "optimizer": "nvme", "grads": "cpu"}, nvme_paths=[nvme],
                      stage3={"unit_bytes": fc + 4 * a.width * 4, "live_budget_bytes": int(3.5 * fc),

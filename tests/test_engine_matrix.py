@@ -38,7 +38,7 @@ def make_config(stage: int, tier: str, precision: str, nvme_dir: str, **extra: o
     return dict(stage=stage, precision={"dtype": precision}, tiers={"optimizer": tier, "grads": tier},
                 optimizer={"lr": LR, "weight_decay": 0.01}, bucket_bytes=6000,
                 # a staging budget of a few shards, so the nvme tier streams every step (reads
-                # ahead, writes behind) instead of keeping the whole state in its staging sets
+                # ahead, writes behind) instead of keeping the whole state in its staging ring
                 pinned_budget_bytes=100_000,
                 nvme_paths=[nvme_dir] if tier == "nvme" else [], **extra)
 

@@ -69,10 +69,10 @@ def _interleaved(parts: dict[str, Callable[[], None]], rounds: int) -> dict[str,
     return times
 
 
-def _round_ratios(times: dict[str, list[float]], pieces: tuple[str, ...]) -> list[float]:
+def _round_ratios(times: dict[str, list[float]], candidates: tuple[str, ...]) -> list[float]:
     """step / largest part within each round: the paired comparison, robust to load that
     changes from one round to the next (parts of one round run within about a second)."""
-    return [step / max(times[k][i] for k in pieces) for i, step in enumerate(times["step"])]
+    return [step / max(times[k][i] for k in candidates) for i, step in enumerate(times["step"])]
 
 
 def _fwd_bwd(args: argparse.Namespace, x: torch.Tensor) -> Callable[[], None]:
@@ -105,7 +105,7 @@ def _nvme_only(engine: object) -> Callable[[], None]:
     """Read and write back every shard's state through the engine's own store and staging ring,
     with the same read-ahead as a step (the ring's prefetch thread), and no compute."""
     so = engine.runtime.shard_optimizer  # type: ignore[attr-defined]
-    shards = so.planned()  # the store keys in stepping order (a shard larger than a third of the ring is pieces)
+    shards = so.planned()  # the store keys in stepping order (a shard larger than a third of the ring is stepped in sub-shards)
 
     def run() -> None:
         so.access.flush()  # forget what the ring holds: every shard is read from the drive
@@ -168,16 +168,16 @@ def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[flo
 def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[float]],
                per_step: list[float], state_bytes: int, ring_bytes: int) -> dict:
     figures = {name: statistics.median(t) for name, t in times.items()}
-    pieces = [figures[k] for k in ("fwd+bwd", "cpu adam", io_name)]
+    candidates = [figures[k] for k in ("fwd+bwd", "cpu adam", io_name)]
     ratios = _round_ratios(times, ("fwd+bwd", "cpu adam", io_name))
     params = sum(p.numel() for p in _model(args.d_model, args.layers).parameters())
     return {"params": params, "tokens": args.tokens, "tier": args.tier, "threads": args.threads,
             "seconds": figures, "step_over_largest": statistics.median(ratios),
             "step_over_largest_per_round": ratios,
-            "step_over_largest_of_medians": figures["step"] / max(pieces),
+            "step_over_largest_of_medians": figures["step"] / max(candidates),
             "drive_bytes_per_step": {"read": per_step[0], "written": per_step[1]},
             "optimizer_state_bytes": state_bytes, "staging_ring_bytes": ring_bytes,
-            "overlap_pct": 100.0 * (sum(pieces) - figures["step"]) / max(sum(pieces) - max(pieces), 1e-12)}
+            "overlap_pct": 100.0 * (sum(candidates) - figures["step"]) / max(sum(candidates) - max(candidates), 1e-12)}
 
 
 def _print(args: argparse.Namespace, result: dict) -> None:

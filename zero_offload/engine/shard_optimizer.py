@@ -26,7 +26,7 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config
-from zero_offload.engine.pieces import Assembly, Piece, piece_limit, split
+from zero_offload.engine.subshards import Assembly, SubShard, subshard_limit, split
 from zero_offload.engine.precision import LossScaler, clip_coefficient
 from zero_offload.engine.step import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
 from zero_offload.store import make_store
@@ -83,8 +83,8 @@ class ShardOptimizer:
         on_done = self._stream if self.stream_updates else None
         self.pipeline = StepPipeline(kernel, self.access, self.compute_dtype, self.planned, on_done)
         self.numel: dict[str, int] = {}
-        self.pieces: dict[str, list[Piece]] = {}  # shard -> its pieces (pieces.py)
-        self._piece: dict[str, Piece] = {}  # piece key -> piece
+        self.subshards: dict[str, list[SubShard]] = {}  # shard -> its sub-shards (subshards.py)
+        self._subshard: dict[str, SubShard] = {}  # sub-shard key -> sub-shard
         self._assembly = Assembly()
         self.decay: dict[str, bool] = {}
         self.steps: dict[str, int] = {}
@@ -104,15 +104,15 @@ class ShardOptimizer:
             raise ValueError(f"ShardOptimizer.add_shard({key!r}): master must be 1-D, got shape {tuple(master.shape)}")
         n = master.numel()
         self.numel[key], self.decay[key], self.steps[key] = n, weight_decay, 0
-        self.pieces[key] = split(key, n, None if self.store.addressable else piece_limit(self.access.budget_bytes))
+        self.subshards[key] = split(key, n, None if self.store.addressable else subshard_limit(self.access.budget_bytes))
         flat = master.detach().reshape(-1)
-        for piece in self.pieces[key]:
-            self.store.allocate(piece.key, len(PARTS) * piece.numel, torch.float32)  # master, m, v back to back
-            state = torch.zeros(len(PARTS) * piece.numel, dtype=torch.float32)
-            state[:piece.numel].copy_(flat[piece.lo:piece.hi])
-            self.store.write(piece.key, state).wait()
-            self._piece[piece.key] = piece
-            self.access.add(piece.numel)
+        for sub in self.subshards[key]:
+            self.store.allocate(sub.key, len(PARTS) * sub.numel, torch.float32)  # master, m, v back to back
+            state = torch.zeros(len(PARTS) * sub.numel, dtype=torch.float32)
+            state[:sub.numel].copy_(flat[sub.lo:sub.hi])
+            self.store.write(sub.key, state).wait()
+            self._subshard[sub.key] = sub
+            self.access.add(sub.numel)
         self.order.append(key)
 
     # ---- the step ----
@@ -145,7 +145,7 @@ class ShardOptimizer:
             if not self.eager and not self._submit_held():
                 return False
             for job in self.pipeline.drain():
-                self.steps[self._piece[job.key].owner] = job.scalars.step
+                self.steps[self._subshard[job.key].owner] = job.scalars.step
                 if self.on_updated is not None and not self.stream_updates:
                     done = self._updated(job)
                     if done is not None:
@@ -175,24 +175,24 @@ class ShardOptimizer:
 
     def _submit(self, key: str, grad: torch.Tensor | Callable[[], torch.Tensor], scalars: Scalars,
                 ready: Any = None) -> None:
-        """One job per piece of `key`; a split shard's pieces write into one assembled buffer."""
-        pieces = self.pieces[key]
-        if len(pieces) == 1:
+        """One job per sub-shard of `key`; a split shard's sub-shards write into one assembled buffer."""
+        subs = self.subshards[key]
+        if len(subs) == 1:
             self.pipeline.submit(Job(key, self.numel[key], grad, scalars, ready))
             return
-        full = self._assembly.begin(key, self.numel[key], len(pieces), self.compute_dtype)
+        full = self._assembly.begin(key, self.numel[key], len(subs), self.compute_dtype)
         load = _shared(grad)
-        for p in pieces:
+        for p in subs:
             self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), scalars, ready, into=full[p.lo:p.hi]))
 
     def _updated(self, job: Job) -> tuple[str, torch.Tensor, bool] | None:
         """(shard, updated compute copy, owned) once `job` completes its shard, else None."""
-        piece = self._piece[job.key]
-        if piece.key == piece.owner:
+        sub = self._subshard[job.key]
+        if sub.key == sub.owner:
             assert job.out is not None
-            return piece.owner, job.out, job.out_owned
-        full = self._assembly.piece_done(piece.owner)
-        return None if full is None else (piece.owner, full, True)
+            return sub.owner, job.out, job.out_owned
+        full = self._assembly.subshard_done(sub.owner)
+        return None if full is None else (sub.owner, full, True)
 
     def _stream(self, job: Job) -> None:
         assert self.on_updated is not None
@@ -239,8 +239,8 @@ class ShardOptimizer:
         return dst, copy_async(dst, grad)
 
     def planned(self) -> list[tuple[str, int]]:
-        """The pieces in their expected stepping order (the last step's arrival order)."""
-        return [(p.key, p.numel) for k in self.order for p in self.pieces[k]]
+        """The sub-shards in their expected stepping order (the last step's arrival order)."""
+        return [(p.key, p.numel) for k in self.order for p in self.subshards[k]]
 
     def prefetch(self) -> None:
         """Start reading the coming step's state (the runtimes call it at the end of a step, once
@@ -257,10 +257,10 @@ class ShardOptimizer:
         """CPU copies of a shard's parts ('master', 'm', 'v'), read through its store in one go."""
         self.pipeline.quiesce()
         out = torch.empty(len(PARTS), self.numel[key], dtype=torch.float32)
-        for p in self.pieces[key]:
+        for p in self.subshards[key]:
             self.access.check(p.key)
-            piece = self.store.read(p.key, torch.empty(len(PARTS) * p.numel, dtype=torch.float32)).wait()
-            out[:, p.lo:p.hi].copy_(piece.view(len(PARTS), -1))
+            sub = self.store.read(p.key, torch.empty(len(PARTS) * p.numel, dtype=torch.float32)).wait()
+            out[:, p.lo:p.hi].copy_(sub.view(len(PARTS), -1))
         return dict(zip(PARTS, out.unbind(0)))
 
     def write_state(self, key: str, parts: dict[str, torch.Tensor]) -> None:
@@ -272,7 +272,7 @@ class ShardOptimizer:
             if value.numel() != n:
                 raise ValueError(f"ShardOptimizer.write_state({key!r}): {part} has {value.numel()} elements, "
                                  f"the shard has {n}")
-        for p in self.pieces[key]:
+        for p in self.subshards[key]:
             state = torch.cat([v[p.lo:p.hi].to(torch.float32) for v in values])
             self.store.write(p.key, state).wait()
             self.access.rewritten(p.key)
@@ -322,7 +322,7 @@ class ShardOptimizer:
 
 
 def _shared(grad: torch.Tensor | Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """The gradient, loaded at most once for all the pieces of its shard."""
+    """The gradient, loaded at most once for all the sub-shards of its shard."""
     if not callable(grad):
         return lambda: grad
     cache: list[torch.Tensor] = []

@@ -49,7 +49,7 @@ class Job:
     ready: Handle | None = None  # the gradient's own transfer (device → host), if any
     out: torch.Tensor | None = None  # filled: updated weights in the compute dtype
     out_owned: bool = False  # out is a fresh tensor (not the store's master): the receiver may keep it
-    into: torch.Tensor | None = None  # write the updated weights here (a piece's slice of its shard's)
+    into: torch.Tensor | None = None  # write the updated weights here (a sub-shard's slice of its shard's)
 
 
 class HostAdam:

@@ -1,5 +1,5 @@
-"""Pieces (engine/pieces.py): a shard larger than a third of the staging ring is stepped piece by
-piece on the nvme tier, with the same result, bit for bit, as stepping it whole."""
+"""Sub-shards (engine/subshards.py): a shard larger than a third of the staging ring is stepped sub-shard by
+sub-shard on the nvme tier, with the same result, bit for bit, as stepping it whole."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,21 +8,21 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.pieces import piece_limit, split
+from zero_offload.engine.subshards import subshard_limit, split
 from zero_offload.engine.shard_optimizer import ShardOptimizer
 from zero_offload.engine.staging import ALIGN
 
 
-def test_split_covers_the_shard_in_aligned_pieces() -> None:
+def test_split_covers_the_shard_in_aligned_subshards() -> None:
     assert [(p.key, p.lo, p.hi) for p in split("k", 5000, None)] == [("k", 0, 5000)]
     assert [(p.key, p.lo, p.hi) for p in split("k", 5000, 5000)] == [("k", 0, 5000)]
-    pieces = split("k", 10 * ALIGN + 7, 3 * ALIGN)
-    assert [p.key for p in pieces] == ["k#0", "k#1", "k#2", "k#3"]
-    assert pieces[0].lo == 0 and pieces[-1].hi == 10 * ALIGN + 7
-    assert all(a.hi == b.lo for a, b in zip(pieces, pieces[1:]))
-    assert all(p.lo % ALIGN == 0 and p.numel <= 3 * ALIGN for p in pieces)
-    assert {p.owner for p in pieces} == {"k"}
-    assert piece_limit(36 * 4 * ALIGN) == 4 * ALIGN and piece_limit(1) == ALIGN
+    subs = split("k", 10 * ALIGN + 7, 3 * ALIGN)
+    assert [p.key for p in subs] == ["k#0", "k#1", "k#2", "k#3"]
+    assert subs[0].lo == 0 and subs[-1].hi == 10 * ALIGN + 7
+    assert all(a.hi == b.lo for a, b in zip(subs, subs[1:]))
+    assert all(p.lo % ALIGN == 0 and p.numel <= 3 * ALIGN for p in subs)
+    assert {p.owner for p in subs} == {"k"}
+    assert subshard_limit(36 * 4 * ALIGN) == 4 * ALIGN and subshard_limit(1) == ALIGN
 
 
 def _optimizer(tmp_path: Path, budget: int, dtype: str, updated: dict, *, clip: float = 0.0,
@@ -37,10 +37,10 @@ def _optimizer(tmp_path: Path, budget: int, dtype: str, updated: dict, *, clip: 
 
 
 @pytest.mark.parametrize("dtype,clip,stream", [("fp32", 0.0, False), ("bf16", 0.0, True), ("fp32", 0.5, False)])
-def test_pieces_step_exactly_like_a_whole_shard(tmp_path: Path, dtype: str, clip: float, stream: bool) -> None:
+def test_subshards_step_exactly_like_a_whole_shard(tmp_path: Path, dtype: str, clip: float, stream: bool) -> None:
     sizes = {"big": 20 * ALIGN + 5, "small": 300}
     runs = []
-    for budget in (64 << 20, 36 * 4 * ALIGN):  # whole shards; pieces of at most 4 * ALIGN
+    for budget in (64 << 20, 36 * 4 * ALIGN):  # whole shards; sub-shards of at most 4 * ALIGN
         updated: dict[str, torch.Tensor] = {}
         (tmp_path / str(budget)).mkdir()
         opt = _optimizer(tmp_path / str(budget), budget, dtype, updated, clip=clip, stream=stream)
@@ -55,7 +55,7 @@ def test_pieces_step_exactly_like_a_whole_shard(tmp_path: Path, dtype: str, clip
             history.append({k: v.clone() for k, v in updated.items()})
         runs.append((opt, history, {k: opt.read_state(k) for k in sizes}, len(opt.planned())))
     (whole, h_whole, s_whole, n_whole), (split_opt, h_split, s_split, n_split) = runs
-    assert n_whole == 2 and n_split == 7  # 20 * ALIGN + 5 elements make six pieces
+    assert n_whole == 2 and n_split == 7  # 20 * ALIGN + 5 elements make six sub-shards
     for a, b in zip(h_whole, h_split):
         assert a.keys() == b.keys() == set(sizes)
         for key in sizes:
@@ -67,7 +67,7 @@ def test_pieces_step_exactly_like_a_whole_shard(tmp_path: Path, dtype: str, clip
     split_opt.close()
 
 
-def test_write_state_then_read_state_round_trips_through_pieces(tmp_path: Path) -> None:
+def test_write_state_then_read_state_round_trips_through_subshards(tmp_path: Path) -> None:
     opt = _optimizer(tmp_path, 36 * 4 * ALIGN, "fp32", {})
     n = 9 * ALIGN + 11
     opt.add_shard("k", torch.zeros(n))
@@ -80,7 +80,7 @@ def test_write_state_then_read_state_round_trips_through_pieces(tmp_path: Path) 
     opt.close()
 
 
-def test_stage3_units_in_pieces_train_and_resume_like_whole_ones(tmp_path: Path) -> None:
+def test_stage3_units_in_subshards_train_and_resume_like_whole_ones(tmp_path: Path) -> None:
     """Stage 3 with parameters and optimizer state on nvme and a staging budget that splits every
     unit's shard: the same losses and weights, bit for bit, as the cpu tiers, through a
     checkpoint save and resume in the middle."""
@@ -102,13 +102,13 @@ def test_stage3_units_in_pieces_train_and_resume_like_whole_ones(tmp_path: Path)
             "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}
     cpu = {**base, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"}}
     nvme = {**base, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
-            "nvme_paths": [str(tmp_path)], "pinned_budget_bytes": 36 * ALIGN}  # pieces of 1024
+            "nvme_paths": [str(tmp_path)], "pinned_budget_bytes": 36 * ALIGN}  # sub-shards of 1024
     ref, want = run(cpu, range(5))
     want_sd = ref.consolidated_state_dict()
     ref.close()
     first, got = run(nvme, range(3))
     so = first.runtime.shard_optimizer
-    assert any(len(p) > 1 for p in so.pieces.values()), "no unit was split: the test tests nothing"
+    assert any(len(p) > 1 for p in so.subshards.values()), "no unit was split: the test tests nothing"
     first.save_checkpoint(str(tmp_path / "ckpt"))
     first.close()
     resumed = zero_offload.initialize(make_model(), nvme)
