@@ -85,18 +85,12 @@ def test_stage3_units_in_subshards_train_and_resume_like_whole_ones(tmp_path: Pa
     unit's shard: the same losses and weights, bit for bit, as the cpu tiers, through a
     checkpoint save and resume in the middle."""
     import zero_offload
-    from _stage3_model import batch, make_model
+    from _stage3_model import make_model
+    from test_stage3_engine import _train
 
     def run(cfg: dict, steps: range, engine: object = None) -> tuple[object, list[float]]:
         engine = engine or zero_offload.initialize(make_model(), cfg)
-        losses = []
-        for step in steps:
-            x, y = batch(step, 4)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return engine, losses
+        return engine, _train(engine, steps)
 
     base = {"stage": 3, "stage3": {"unit_modules": ["Block3"], "live_budget_bytes": 30000},
             "optimizer": {"lr": 1e-2, "weight_decay": 0.01}}
