@@ -94,6 +94,20 @@ def test_memory_report_retained_equals_ideal_when_padding_is_zero() -> None:
     engine.close()
 
 
+def test_memory_report_names_nvme_slot_rounding(tmp_path: object) -> None:
+    """On the nvme tier a shard's slot is whole pages: a 32-element bias (384 bytes of master + m +
+    v) takes a 4 KiB slot. The report names that difference, so retained = ideal + padding + it."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    engine = zero_offload.initialize(model, dict(stage=1, bucket_bytes=4096, nvme_paths=[str(tmp_path)],
+                                                 tiers={"optimizer": "nvme", "grads": "cpu"}))
+    report = engine.memory_report(verbose=False)
+    row = {(r["group"], r["tier"]): r for r in report["rows"]}[("optimizer", "nvme")]
+    other = report["other"]
+    assert other["NVMe slot rounding (optimizer state)"] == 4096 - 32 * 12
+    assert row["retained"] - row["ideal"] == other["padding (optimizer state)"] + other["NVMe slot rounding (optimizer state)"]
+    engine.close()
+
+
 CHILD = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {here!r})

@@ -142,6 +142,7 @@ class BucketRuntime:
         shard_elems = sum(b.layout.shard_numel for b in self.buckets)
         largest = max(b.layout.padded_numel for b in self.buckets) * torch.empty((), dtype=self.dtype).element_size()
         out = {"padding (optimizer state)": (shard_elems - owned) * 12,
+               "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes(),
                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
                "gradient bucket in flight (largest)": largest}
         return out

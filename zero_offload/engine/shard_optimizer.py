@@ -315,6 +315,10 @@ class ShardOptimizer:
                 f"gradients/{self.grad_store.tier}": self.grad_store.bytes_retained(),
                 "staging": self.access.staging_bytes}
 
+    def slot_rounding_bytes(self) -> int:
+        """Bytes the optimizer tier holds beyond 12 per element: NVMe slots are whole pages."""
+        return self.store.bytes_retained() - 12 * sum(self.numel.values())
+
     def close(self) -> None:
         self.pipeline.close()
         self.store.close()

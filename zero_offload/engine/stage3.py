@@ -395,7 +395,8 @@ class Stage3Runtime:
                 "live budget (stage 3)": s["live_budget_bytes"],
                 "resident units (stage 3)": s["resident_bytes"],
                 "staging buffers (params)": self.staging.nbytes,
-                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0)}
+                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
+                "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes()}
 
     def stats(self) -> dict[str, int]:
         p = self.prefetcher
