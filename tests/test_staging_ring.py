@@ -381,3 +381,24 @@ def test_the_ring_budget(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="fewer than three of the largest optimizer shard"):
         assert small._capacity() == span(4 * ALIGN)  # noqa: SLF001
     store.close()
+
+
+def test_a_larger_shard_registered_later_replaces_the_ring(tmp_path: Path) -> None:
+    """The ring is sized when first used; a shard added afterwards that does not fit gets a new
+    ring (the old one's thread stopped), and the new one holds it."""
+    from zero_offload.engine.step import StateAccess
+
+    store = _store(tmp_path)
+    _fill(store, {"a": ALIGN, "b": 8 * ALIGN})
+    access = StateAccess(store, budget_bytes=3 * 4 * span(ALIGN))
+    access.add(ALIGN)
+    old = access.ring()
+    access.add(8 * ALIGN)
+    assert not old._thread.is_alive()  # noqa: SLF001 -- closed, not leaked
+    with pytest.warns(UserWarning, match="fewer than three"):
+        access.plan([("b", 8 * ALIGN)])
+    views, region = access.acquire("b", 8 * ALIGN)
+    assert access.ring().capacity >= span(8 * ALIGN) and views[0].numel() == 8 * ALIGN
+    access.release(region)
+    access.close()
+    store.close()
