@@ -6,7 +6,7 @@ below name every other allocation: padding, NVMe slot rounding (slots are whole 
 buffers, the gradient bucket in flight;
 then the process-level figures (torch.cuda.max_memory_allocated on a
 GPU, the process RSS via psutil). With P a multiple of D x 16 the padding is zero and retained
-equals ideal for weights and optimizer state. Gradients differ by design: without clipping,
+equals ideal for weights and optimizer state (on the nvme tier, ideal plus the named slot rounding). Gradients differ by design: without clipping,
 fp16 or accumulation the overlapped step consumes each grad shard as it arrives (retained 0), and
 stage 1 keeps only its grad shard where the ledger counts every gradient.
 """
