@@ -7,9 +7,11 @@
 #pragma once
 #include <cstdint>
 
-// Element types of gradients in and low-precision copies out; numbers are part of the ABI.
+// Element types of gradients in and of the copy of the updated weights out (f32: a plain copy, so
+// a caller that needs the weights apart from the master gets them without a second pass over
+// memory); numbers are part of the ABI.
 enum zo_dtype : int32_t {
-  ZO_DTYPE_NONE = 0,  // no low-precision copy is written
+  ZO_DTYPE_NONE = 0,  // no copy is written
   ZO_DTYPE_F32 = 1,
   ZO_DTYPE_BF16 = 2,
   ZO_DTYPE_F16 = 3,
@@ -28,7 +30,7 @@ enum zo_adam_status : int32_t {
   ZO_ADAM_OK = 0,
   ZO_ADAM_NONFINITE = 1,      // a scaled gradient was Inf/NaN: nothing was written
   ZO_ADAM_BAD_ISA = -1,       // unknown ISA, or one this CPU cannot run
-  ZO_ADAM_BAD_DTYPE = -2,     // grad dtype not f32/bf16/f16, or out dtype not none/bf16/f16
+  ZO_ADAM_BAD_DTYPE = -2,     // grad dtype not f32/bf16/f16, or out dtype not none/f32/bf16/f16
   ZO_ADAM_BAD_ARGUMENT = -3,  // null pointer, negative length, step < 1, threads < 1
 };
 
@@ -38,7 +40,7 @@ struct zo_adam_tensor {
   float* exp_avg;
   float* exp_avg_sq;
   const void* grad;  // grad_dtype elements
-  void* lowp_out;    // out_dtype elements, or null when out_dtype is ZO_DTYPE_NONE
+  void* lowp_out;    // out_dtype elements (the updated weights), or null when ZO_DTYPE_NONE
   int64_t n;
   int64_t step;      // 1-based count INCLUDING this update (bias correction uses it)
   int32_t grad_dtype;

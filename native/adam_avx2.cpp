@@ -51,10 +51,23 @@ __m128i to_bf16x8(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
 }
 
-// Converts the updated weights [i, stop) (still in L1) into the low-precision copy. NT
+constexpr int64_t out_bytes(int O) { return O == ZO_DTYPE_F32 ? 4 : 2; }
+
+// Writes the updated weights [i, stop) (still in L1) into the copy, converted to O. NT
 // (non-temporal) stores skip reading the copy's old bytes in: it is write-only here.
 template <int O, bool kStream>
 void store_lowp(const zo_adam_tensor& t, int64_t i, int64_t stop) {
+  if constexpr (O == ZO_DTYPE_F32) {
+    float* out = static_cast<float*>(t.lowp_out);
+    for (; i < stop; i += 8) {
+      if constexpr (kStream) {
+        _mm256_stream_ps(out + i, _mm256_loadu_ps(t.param + i));
+      } else {
+        _mm256_storeu_ps(out + i, _mm256_loadu_ps(t.param + i));
+      }
+    }
+    return;
+  }
   for (; i < stop; i += 8) {
     const __m256 p = _mm256_loadu_ps(t.param + i);
     const __m128i h = O == ZO_DTYPE_BF16 ? to_bf16x8(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT);
@@ -93,7 +106,7 @@ size_t grad_bytes(int32_t dtype) { return dtype == ZO_DTYPE_F32 ? 4 : 2; }
 template <int G, int O>
 void step_tail(const zo_adam_tensor& t, const Coeffs8& c, int64_t i, int64_t n) {
   alignas(32) float p[8] = {}, m[8] = {}, v[8] = {}, g[8] = {};
-  alignas(32) uint16_t out[8] = {};
+  alignas(32) float out[8] = {};  // room for 8 elements of any out dtype
   std::memcpy(p, t.param + i, n * 4);
   std::memcpy(m, t.exp_avg + i, n * 4);
   std::memcpy(v, t.exp_avg_sq + i, n * 4);
@@ -105,7 +118,7 @@ void step_tail(const zo_adam_tensor& t, const Coeffs8& c, int64_t i, int64_t n) 
   std::memcpy(t.exp_avg_sq + i, v, n * 4);
   if constexpr (O != ZO_DTYPE_NONE) {
     store_lowp<O, false>(tmp, 0, 8);
-    std::memcpy(static_cast<uint16_t*>(t.lowp_out) + i, out, n * 2);
+    std::memcpy(static_cast<char*>(t.lowp_out) + i * out_bytes(O), out, n * out_bytes(O));
   }
 }
 
@@ -119,8 +132,10 @@ void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t b
   const Coeffs8 c = broadcast(coeffs);
   const zo_adam_tensor t = tensor;  // a local copy: stores through its pointers cannot change it
   const int64_t full = begin + (end - begin) / 8 * 8;
-  // NT stores need 16-byte alignment; chunks start 512 elements apart, so one check serves all.
-  const bool stream = (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(t.lowp_out) + begin) & 15) == 0;
+  // NT stores need 16-byte (bf16/f16) or 32-byte (f32) alignment; chunks start 512 elements
+  // apart, so one check serves all.
+  const bool stream = (reinterpret_cast<uintptr_t>(static_cast<char*>(t.lowp_out) + begin * out_bytes(O)) &
+                       (O == ZO_DTYPE_F32 ? 31 : 15)) == 0;
   for (int64_t i = begin; i < full; i += kChunk) {
     const int64_t stop = i + kChunk < full ? i + kChunk : full;
     for (int64_t j = i; j < stop; j += 8) step8<G>(t, c, j);
@@ -138,6 +153,7 @@ void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t b
 
 template <int G>
 void range_out(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
+  if (t.out_dtype == ZO_DTYPE_F32) return range<G, ZO_DTYPE_F32>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_BF16) return range<G, ZO_DTYPE_BF16>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_F16) return range<G, ZO_DTYPE_F16>(t, c, begin, end);
   range<G, ZO_DTYPE_NONE>(t, c, begin, end);

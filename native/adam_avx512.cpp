@@ -76,6 +76,21 @@ __m256i to_lowp(__m512 p) {
 // reading its old bytes in first would be wasted traffic.
 template <int O, bool kInsn>
 void store_lowp(const zo_adam_tensor& t, int64_t i, int64_t stop, bool stream) {
+  if constexpr (O == ZO_DTYPE_F32) {  // a plain copy (64-byte aligned for NT stores)
+    float* out = static_cast<float*>(t.lowp_out);
+    for (; i + 16 <= stop; i += 16) {
+      if (stream) {
+        _mm512_stream_ps(out + i, _mm512_loadu_ps(t.param + i));
+      } else {
+        _mm512_storeu_ps(out + i, _mm512_loadu_ps(t.param + i));
+      }
+    }
+    if (i < stop) {
+      const __mmask16 k = first(stop - i);
+      _mm512_mask_storeu_ps(out + i, k, _mm512_maskz_loadu_ps(k, t.param + i));
+    }
+    return;
+  }
   uint16_t* out = static_cast<uint16_t*>(t.lowp_out);
   for (; i + 16 <= stop; i += 16) {
     const __m256i h = to_lowp<O, kInsn>(_mm512_loadu_ps(t.param + i));
@@ -120,8 +135,10 @@ template <int G, int O, bool kInsn>
 void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t begin, int64_t end) {
   const Coeffs16 c = broadcast(coeffs);
   const zo_adam_tensor t = tensor;  // a local copy: stores through its pointers cannot change it
-  // NT stores need 32-byte alignment; chunks start 512 elements apart, so one check serves all.
-  const bool stream = (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(t.lowp_out) + begin) & 31) == 0;
+  // NT stores need 32-byte (bf16/f16) or 64-byte (f32) alignment; chunks start 512 elements
+  // apart, so one check serves all.
+  const bool stream = (reinterpret_cast<uintptr_t>(static_cast<char*>(t.lowp_out) + begin * (O == ZO_DTYPE_F32 ? 4 : 2)) &
+                       (O == ZO_DTYPE_F32 ? 63 : 31)) == 0;
   for (int64_t i = begin; i < end; i += kChunk) {
     const int64_t stop = i + kChunk < end ? i + kChunk : end;
     for (int64_t j = i; j < stop; j += 16) step16<G>(t, c, j, first(stop - j));
@@ -132,6 +149,7 @@ void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t b
 
 template <int G, bool kInsn>
 void range_out(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
+  if (t.out_dtype == ZO_DTYPE_F32) return range<G, ZO_DTYPE_F32, kInsn>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_BF16) return range<G, ZO_DTYPE_BF16, kInsn>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_F16) return range<G, ZO_DTYPE_F16, kInsn>(t, c, begin, end);
   range<G, ZO_DTYPE_NONE, kInsn>(t, c, begin, end);

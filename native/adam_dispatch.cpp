@@ -146,8 +146,8 @@ int32_t check_tensor(const zo_adam_tensor& t) {
   if (t.n < 0 || t.step < 1) return ZO_ADAM_BAD_ARGUMENT;
   const bool grad_ok = t.grad_dtype == ZO_DTYPE_F32 || t.grad_dtype == ZO_DTYPE_BF16 ||
                        t.grad_dtype == ZO_DTYPE_F16;
-  const bool out_ok = t.out_dtype == ZO_DTYPE_NONE || t.out_dtype == ZO_DTYPE_BF16 ||
-                      t.out_dtype == ZO_DTYPE_F16;
+  const bool out_ok = t.out_dtype == ZO_DTYPE_NONE || t.out_dtype == ZO_DTYPE_F32 ||
+                      t.out_dtype == ZO_DTYPE_BF16 || t.out_dtype == ZO_DTYPE_F16;
   if (!grad_ok || !out_ok) return ZO_ADAM_BAD_DTYPE;
   if (t.n > 0 && (!t.param || !t.exp_avg || !t.exp_avg_sq || !t.grad)) return ZO_ADAM_BAD_ARGUMENT;
   if (t.n > 0 && t.out_dtype != ZO_DTYPE_NONE && !t.lowp_out) return ZO_ADAM_BAD_ARGUMENT;

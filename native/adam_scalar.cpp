@@ -76,6 +76,7 @@ float load_grad(const void* grad, int32_t dtype, int64_t i) {
 }
 
 void store_lowp(void* out, int32_t dtype, int64_t i, float x) {
+  if (dtype == ZO_DTYPE_F32) static_cast<float*>(out)[i] = x;
   if (dtype == ZO_DTYPE_BF16) static_cast<uint16_t*>(out)[i] = f32_to_bf16(x);
   if (dtype == ZO_DTYPE_F16) static_cast<uint16_t*>(out)[i] = f32_to_f16(x);
 }

@@ -149,7 +149,9 @@ extern "C" zo_aio_req* zo_aio_submit(zo_aio_engine* eng, int op, int fd, int64_t
                                        sums ? sums + i : nullptr});
         }
     }
-    if (n == 1) eng->cv.notify_one(); else eng->cv.notify_all();
+    // One wake-up per chunk: notify_all would wake every idle worker (32 by default) to fight
+    // over the queue lock, and on a small machine the submitting thread loses its core to them.
+    for (int64_t i = 0; i < n; ++i) eng->cv.notify_one();
     return req;
 }
 

@@ -70,7 +70,7 @@ def test_million_elements_match_float64_and_torch_fused(isa: str) -> None:
     assert_close(v, opt.state[tp]["exp_avg_sq"], "exp_avg_sq")
 
 
-@pytest.mark.parametrize("out_dtype", [None, *LOWP])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, *LOWP])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, *LOWP])
 @pytest.mark.parametrize("isa", isa_params(include_scalar=False))
 def test_vector_paths_equal_scalar_oracle_bit_for_bit(isa: str, grad_dtype, out_dtype) -> None:
@@ -87,6 +87,17 @@ def test_vector_paths_equal_scalar_oracle_bit_for_bit(isa: str, grad_dtype, out_
             for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "lowp_out"), *results):
                 if a is not None:
                     assert_bits_equal(b, a, f"{isa} vs scalar {name}, n={n}, {mode}")
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_float32_out_is_the_updated_master_bit_for_bit(isa: str) -> None:
+    # Aligned (streaming stores) and one element off (unaligned stores), whole vectors and tails.
+    for n, shift in ((4096, 0), (4096, 1), (70_001, 0), (70_001, 1), (5, 1)):
+        p, m, v = _state(n, seed=n)
+        out = torch.full((n + 1,), float("nan"))[shift:][:n]
+        _run(p, m, v, _grads(n, 2, torch.bfloat16, seed=n), [1e-2, 5e-3], mode="adamw", isa=isa, out=out)
+        assert_bits_equal(out, p, f"float32 copy, n={n}, shift={shift}")
+        assert out.data_ptr() != p.data_ptr()
 
 
 def _special_values(dtype: torch.dtype) -> torch.Tensor:
@@ -209,7 +220,8 @@ HYPER = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
     (dict(exp_avg_sq=torch.zeros(9)), "exp_avg_sq has 9 elements, param has 8"),
     (dict(grad=torch.zeros(8, dtype=torch.int32)), "grad must be float32, bfloat16 or float16, got torch.int32"),
     (dict(grad=torch.zeros(16)[::2]), "grad must be contiguous"),
-    (dict(lowp_out=torch.zeros(8)), "lowp_out must be bfloat16 or float16, got torch.float32"),
+    (dict(lowp_out=torch.zeros(8, dtype=torch.int32)), "lowp_out must be float32, bfloat16 or float16, got torch.int32"),
+    (dict(lowp_out=torch.zeros(7)), "lowp_out has 7 elements, param has 8"),
     (dict(step=0), "step must be a whole number >= 1, got 0"),
     (dict(isa="sse9"), "isa='sse9': unknown ISA; choose one of scalar, avx2, avx512"),
     (dict(threads=-1), "threads=-1: expected a whole number >= 0"),

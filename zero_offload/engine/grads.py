@@ -1,7 +1,8 @@
 """Stage 0-2 gradients: buckets, the hooks that fill them, and the reduction into grad shards.
 
 Trainable parameters are grouped, in reverse registration order (roughly the order backward
-produces their gradients), into buckets of at most `bucket_bytes`. Each bucket is a flat buffer
+produces their gradients), into buckets of at most `bucket_bytes`, small parameters apart (see
+make_buckets). Each bucket is a flat buffer
 (partition.FlatLayout). When the last gradient of a bucket has been accumulated, the bucket is
 flattened, scaled by 1/(D x accumulation steps) and reduced: at stage 0 all-reduced whole (every
 rank steps every bucket), at stages 1-2 reduce-scattered so each rank gets its grad shard.
@@ -38,20 +39,38 @@ class Bucket:
         return f"bucket{self.index}"
 
 
+SMALL_FRACTION = 16  # a parameter under bucket_bytes / 16 is "small" (see make_buckets)
+
+
 def make_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int, world: int) -> list[Bucket]:
     """Greedy buckets over `named` (already in backward order), each at most bucket_bytes unless
-    a single parameter is larger."""
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    a single parameter is larger.
+
+    Small parameters (biases, norms: under bucket_bytes / SMALL_FRACTION) go into buckets of
+    their own after the large ones. Interleaved with the weights they would either cut the
+    weights' buckets short (a bucket of one bias costs a reduction, an optimizer job and an NVMe
+    slot read and write of a few KiB) or join a weight's bucket and force a flatten copy of it.
+    Their gradients are held until the end of backward, which costs little because they are
+    small."""
+    small = bucket_bytes // SMALL_FRACTION
+    large = [(n, p) for n, p in named if p.numel() * p.element_size() >= small]
+    rest = [(n, p) for n, p in named if p.numel() * p.element_size() < small]
+    groups = _greedy(large, bucket_bytes) + _greedy(rest, bucket_bytes)
+    return [Bucket(i, [p for _, p in g], [n for n, _ in g], FlatLayout.build([p.shape for _, p in g], world))
+            for i, g in enumerate(groups)]
+
+
+def _greedy(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
     size = 0
     for name, p in named:
         nbytes = p.numel() * p.element_size()
-        if groups[-1] and size + nbytes > bucket_bytes:
+        if not groups or (groups[-1] and size + nbytes > bucket_bytes):
             groups.append([])
             size = 0
         groups[-1].append((name, p))
         size += nbytes
-    return [Bucket(i, [p for _, p in g], [n for n, _ in g], FlatLayout.build([p.shape for _, p in g], world))
-            for i, g in enumerate(groups) if g]
+    return groups
 
 
 class GradReducer:

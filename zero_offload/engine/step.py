@@ -252,21 +252,20 @@ class StepPipeline:
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad
-        if job.into is not None:
-            lowp = job.into if self.out_dtype != torch.float32 else None
-            self.kernel(master, grad, m, v, job.scalars, lowp)
-            if lowp is None:
-                job.into.copy_(master)
-            job.out, job.out_owned = job.into, True
-        elif self.out_dtype == torch.float32:
+        if job.into is None and staged is None and self.out_dtype == torch.float32:
+            # A resident fp32 master is itself the updated weights: the receiver copies from it
+            # when it installs them (no second buffer of the weights held meanwhile).
             self.kernel(master, grad, m, v, job.scalars, None)
-            job.out = master.clone() if staged is not None else master
-            job.out_owned = staged is not None
+            job.out, job.out_owned = master, False
         else:
-            pin = master.device.type == "cpu" and torch.cuda.is_available()  # so the upload is async
-            job.out = torch.empty(job.numel, dtype=self.out_dtype, device=master.device, pin_memory=pin)
-            job.out_owned = True
-            self.kernel(master, grad, m, v, job.scalars, job.out)
+            # The kernel writes the updated weights into a buffer of their own in the same pass
+            # (an fp32 copy too: a staged master's ring region is reused once released).
+            out = job.into
+            if out is None:
+                pin = master.device.type == "cpu" and torch.cuda.is_available()  # so the upload is async
+                out = torch.empty(job.numel, dtype=self.out_dtype, device=master.device, pin_memory=pin)
+            self.kernel(master, grad, m, v, job.scalars, out)
+            job.out, job.out_owned = out, True
         self.access.release(staged)
         job.grad = torch.empty(0)  # the gradient is consumed: free it now, not at drain()
         if self.on_done is not None:

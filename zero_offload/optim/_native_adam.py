@@ -25,7 +25,7 @@ ISA_NEEDS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),
 }
 GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # zo_dtype
-OUT_DTYPES = {torch.bfloat16: 2, torch.float16: 3}
+OUT_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the copy of the updated weights
 _STATUS = {
     -1: "the ISA is unknown or this CPU cannot run it",
     -2: "a gradient or output dtype the kernel does not take",

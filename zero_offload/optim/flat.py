@@ -41,7 +41,7 @@ def _check_args(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if lowp_out is not None:
         _check_cpu_contiguous("lowp_out", lowp_out, n)
         if lowp_out.dtype not in _native_adam.OUT_DTYPES:
-            raise ValueError(f"adam_step_flat: lowp_out must be bfloat16 or float16, got {lowp_out.dtype}")
+            raise ValueError(f"adam_step_flat: lowp_out must be float32, bfloat16 or float16, got {lowp_out.dtype}")
     if isinstance(step, bool) or int(step) != step or step < 1:
         raise ValueError(f"adam_step_flat: step must be a whole number >= 1, got {step!r}")
 
@@ -74,7 +74,8 @@ def adam_step_flat(
     the caller can skip the step (the scan reads the gradient once more: 2 or 4 bytes/element,
     never the state). Without it a non-finite gradient propagates into the state as torch would.
     `lowp_out`, if given, receives the updated weights rounded to nearest even in its own dtype
-    (the upload copy), written in the same pass. `isa` (scalar|avx2|avx512) and `threads` override
+    (the upload copy; float32: an exact copy, for a caller that needs the weights apart from
+    the master), written in the same pass. `isa` (scalar|avx2|avx512) and `threads` override
     the process defaults (see _native_adam).
     """
     _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
