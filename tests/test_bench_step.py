@@ -21,7 +21,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# Buckets of one weight and its bias each: four shards of ~16.5k elements, all alike in size.
+# Four buckets of one weight each (16,384 elements) and one of the four biases (small parameters
+# go last, together).
 TINY = ["--d-model", "64", "--layers", "2", "--tokens", "8", "--steps", "1", "--bucket-mib", "0.07"]
 
 
@@ -42,6 +43,8 @@ def test_tiny_run_reports_every_part_and_full_drive_traffic(tmp_path: Path, caps
         result["seconds"]["step"] / max(result["seconds"][k] for k in ("fwd+bwd", "cpu adam", "nvme")))
     ratios = result["step_over_largest_per_round"]
     assert len(ratios) == 1 and result["step_over_largest"] == pytest.approx(ratios[0])
+    steal = result["cpu_steal_pct"]
+    assert steal is None or 0.0 <= steal <= 100.0
     assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
 
 
@@ -55,3 +58,10 @@ def test_table_names_the_traffic_and_the_ratio(tmp_path: Path, capsys: pytest.Ca
 def test_round_ratios_pair_each_step_with_its_own_round() -> None:
     times = {"step": [2.0, 3.0], "fwd+bwd": [1.0, 3.0], "cpu adam": [0.5, 0.5], "nvme": [1.6, 1.0]}
     assert bench_step._round_ratios(times, ("fwd+bwd", "cpu adam", "nvme")) == [1.25, 1.0]
+
+
+def test_steal_share_comes_from_the_eighth_counter() -> None:
+    before = [100, 0, 50, 800, 10, 0, 0, 40]
+    after = [160, 0, 60, 900, 10, 0, 0, 70]  # 200 ticks in all, 30 of them stolen
+    assert bench_step._steal_pct(before, after) == pytest.approx(15.0)
+    assert bench_step._steal_pct(None, after) is None

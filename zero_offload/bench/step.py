@@ -6,7 +6,8 @@ Measured side by side in one run, on one model (a residual MLP stack, sized by -
   cpu adam     the CPU Adam over every optimizer shard, state in RAM
   nvme         reading and writing every shard's master + m + v through the nvme store,
                through the same staging ring as the step (--staging-mib), no compute
-  step         the engine's whole step (forward, backward, overlapped CPU Adam and NVMe traffic)
+  step         the engine's whole step (forward, backward, overlapped CPU Adam and NVMe traffic),
+               timed right after an untimed step, as in a training loop (see _steady)
   serial step  the same with overlap_step off (Adam after backward)
 and the overlap: step / max(fwd+bwd, cpu adam, nvme); 1.0 is perfect overlap.
 """
@@ -18,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -55,18 +57,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
-def _interleaved(parts: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class _Part:
+    """One measured part: `run` is timed; `setup` and `settle` run untimed just before and after."""
+
+    run: Callable[[], None]
+    setup: Callable[[], None] = _nothing
+    settle: Callable[[], None] = _nothing
+
+
+def _interleaved(parts: dict[str, _Part], rounds: int) -> dict[str, list[float]]:
     """Seconds of each part per round, measured round-robin (one of each per round) so that load
-    from other processes on a shared machine falls on every part alike."""
-    for fn in parts.values():
-        fn()  # warm-up: allocations, first NVMe slot writes
+    from other processes on a shared machine falls on every part alike. Every other round runs
+    the parts in reverse order, so no part always follows the same neighbour."""
+    for part in parts.values():  # warm-up: allocations, first NVMe slot writes
+        part.setup()
+        part.run()
+        part.settle()
     times: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(rounds):
-        for name, fn in parts.items():
+    for r in range(rounds):
+        for name, part in (parts.items() if r % 2 == 0 else reversed(parts.items())):
+            part.setup()
             t0 = time.perf_counter()
-            fn()
+            part.run()
             times[name].append(time.perf_counter() - t0)
+            part.settle()
     return times
+
+
+def _steady(engine: object, step: Callable[[], None], unused: list[int]) -> _Part:
+    """The step as a training loop runs it: right after another (untimed) step, so the read-ahead
+    that step started and its last write-backs run under the timed one, as they would under the
+    next step's forward. Afterwards the ring is emptied, untimed: its read-ahead must not run
+    under the next part (slowing it) nor fill the ring for free for the next timed step.
+    `unused` collects the bytes read ahead and never stepped."""
+    access = engine.runtime.shard_optimizer.access  # type: ignore[attr-defined]
+
+    def settle() -> None:
+        unused[0] += access.flush()
+    return _Part(step, setup=step, settle=settle)
+
+
+def _cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat's first line: user ... steal), None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal_pct(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of this machine's CPU time the hypervisor gave to other guests (steal) between two
+    readings: a virtual machine's neighbours slow the two-thread step more than the one-thread
+    fwd+bwd it is compared with, so the figure says how far to trust the ratio."""
+    if before is None or after is None:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    return 100.0 * delta[7] / max(sum(delta), 1)
 
 
 def _round_ratios(times: dict[str, list[float]], candidates: tuple[str, ...]) -> list[float]:
@@ -142,32 +194,37 @@ def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: 
     return engine, run
 
 
-def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int, int]:
+def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int, int, float | None]:
     """Per-round seconds of every part, the overlapped engine's drive traffic per step
-    (read, written), the optimizer state's bytes and the staging ring's."""
+    (read, written), the optimizer state's bytes, the staging ring's, and the CPU steal (%)
+    during the rounds."""
     x = torch.randn(args.tokens, args.d_model)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
         os.makedirs(os.path.join(nvme, "serial"))
         engine, step = _engine_step(args, x, nvme, overlap=True)
         serial_engine, serial = _engine_step(args, x, os.path.join(nvme, "serial"), overlap=False)
         sizes = _shard_sizes(engine)
-        parts = {"fwd+bwd": _fwd_bwd(args, x), "cpu adam": _adam_only(sizes, args.threads),
-                 io_name: _nvme_only(serial_engine), "step": step, "serial step": serial}
-        before = _traffic(engine)
+        unused = [0]
+        # The step in the middle: next to the parts it is compared with, in either order.
+        parts = {"fwd+bwd": _Part(_fwd_bwd(args, x)), "cpu adam": _Part(_adam_only(sizes, args.threads)),
+                 "step": _steady(engine, step, unused), io_name: _Part(_nvme_only(serial_engine)),
+                 "serial step": _steady(serial_engine, serial, [0])}
+        before, cpu_before = _traffic(engine), _cpu_times()
         times = _interleaved(parts, args.steps)
-        unused = engine.runtime.shard_optimizer.access.flush()  # type: ignore[attr-defined]  # worker idle after step()
+        steal = _steal_pct(cpu_before, _cpu_times())
         read, written = _traffic(engine)
-        after = (read - unused, written)  # the next step's read-ahead is not this window's traffic
+        after = (read - unused[0], written)  # read-ahead for steps that never ran is not traffic
         ring_bytes = engine.runtime.shard_optimizer.access.staging_bytes  # type: ignore[attr-defined]
         per_step = [(a - b) / max(step.calls, 1) for a, b in zip(after, before)]  # type: ignore[attr-defined]
         engine.close()
         serial_engine.close()
-    return times, per_step, 12 * sum(sizes), ring_bytes
+    return times, per_step, 12 * sum(sizes), ring_bytes, steal
 
 
 def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[float]],
-               per_step: list[float], state_bytes: int, ring_bytes: int) -> dict:
-    figures = {name: statistics.median(t) for name, t in times.items()}
+               per_step: list[float], state_bytes: int, ring_bytes: int, steal: float | None) -> dict:
+    order = ("fwd+bwd", "cpu adam", io_name, "step", "serial step")  # the three parts, then the steps
+    figures = {name: statistics.median(times[name]) for name in order}
     candidates = [figures[k] for k in ("fwd+bwd", "cpu adam", io_name)]
     ratios = _round_ratios(times, ("fwd+bwd", "cpu adam", io_name))
     params = sum(p.numel() for p in _model(args.d_model, args.layers).parameters())
@@ -176,7 +233,7 @@ def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[flo
             "step_over_largest_per_round": ratios,
             "step_over_largest_of_medians": figures["step"] / max(candidates),
             "drive_bytes_per_step": {"read": per_step[0], "written": per_step[1]},
-            "optimizer_state_bytes": state_bytes, "staging_ring_bytes": ring_bytes,
+            "optimizer_state_bytes": state_bytes, "staging_ring_bytes": ring_bytes, "cpu_steal_pct": steal,
             "overlap_pct": 100.0 * (sum(candidates) - figures["step"]) / max(sum(candidates) - max(candidates), 1e-12)}
 
 
@@ -194,6 +251,9 @@ def _print(args: argparse.Namespace, result: dict) -> None:
           f"{result['step_over_largest_of_medians']:.2f} x)")
     print(f"  overlap                  {result['overlap_pct']:9.0f} %   of the time that could be hidden is hidden "
           f"(from the medians)")
+    if result["cpu_steal_pct"] is not None:
+        print(f"  cpu steal                {result['cpu_steal_pct']:9.1f} %   of the machine's CPU time went to other "
+              "virtual machines during the rounds (above ~3%, the host was contended: the ratio suffers)")
 
 
 def main(args: argparse.Namespace) -> int:
