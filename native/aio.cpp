@@ -4,6 +4,7 @@
 #include "aio.h"
 
 #include <linux/io_uring.h>
+#include <semaphore.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -88,20 +89,31 @@ void finish_chunk(zo_aio_req* req, const Failure& f) {
 
 }  // namespace
 
+// Workers sleep on a counting semaphore posted once per queued chunk (and once per worker at
+// shutdown), so a request of n chunks wakes exactly n workers. A condition variable would need
+// notify_all (every idle worker wakes to fight over the lock, and on a small machine the
+// submitting thread loses its core to them) or notify_one, which glibc's condition variable can
+// lose (sourceware bug 25847), leaving a chunk queued until the next submit. POSIX semaphores are
+// a plain futex counter: no wake-up is lost.
 struct zo_aio_engine {
     std::mutex m;
-    std::condition_variable cv;
+    sem_t ready;
     std::deque<Chunk> queue;
-    bool stopping = false;
     std::vector<std::thread> workers;
 
+    zo_aio_engine() { sem_init(&ready, 0, 0); }
+    ~zo_aio_engine() { sem_destroy(&ready); }
+
+    // A worker wakes once per post; every post before shutdown follows a push, so it finds a
+    // chunk. After shutdown's posts a worker that finds the queue empty is done.
     void work() {
         for (;;) {
+            while (sem_wait(&ready) != 0) {
+            }  // EINTR: wait again
             Chunk c;
             {
-                std::unique_lock<std::mutex> lk(m);
-                cv.wait(lk, [&] { return stopping || !queue.empty(); });
-                if (queue.empty()) return;  // stopping and drained
+                std::lock_guard<std::mutex> lk(m);
+                if (queue.empty()) return;  // a shutdown post, nothing left to do
                 c = queue.front();
                 queue.pop_front();
             }
@@ -119,11 +131,7 @@ extern "C" zo_aio_engine* zo_aio_create(int threads, int queue_depth) {
 
 extern "C" void zo_aio_destroy(zo_aio_engine* eng) {
     if (!eng) return;
-    {
-        std::lock_guard<std::mutex> lk(eng->m);
-        eng->stopping = true;
-    }
-    eng->cv.notify_all();
+    for (size_t i = 0; i < eng->workers.size(); ++i) sem_post(&eng->ready);  // queued chunks first
     for (auto& t : eng->workers) t.join();
     delete eng;
 }
@@ -149,9 +157,7 @@ extern "C" zo_aio_req* zo_aio_submit(zo_aio_engine* eng, int op, int fd, int64_t
                                        sums ? sums + i : nullptr});
         }
     }
-    // One wake-up per chunk: notify_all would wake every idle worker (32 by default) to fight
-    // over the queue lock, and on a small machine the submitting thread loses its core to them.
-    for (int64_t i = 0; i < n; ++i) eng->cv.notify_one();
+    for (int64_t i = 0; i < n; ++i) sem_post(&eng->ready);  // wakes n workers, no more
     return req;
 }
 

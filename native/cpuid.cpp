@@ -44,4 +44,4 @@ extern "C" uint32_t zo_cpu_features(void) {
   return features;
 }
 
-extern "C" int zo_abi_version(void) { return 1; }
+extern "C" int zo_abi_version(void) { return 2; }  // 2: the CPU Adam takes an f32 copy out

@@ -39,23 +39,30 @@ class Bucket:
         return f"bucket{self.index}"
 
 
-SMALL_FRACTION = 16  # a parameter under bucket_bytes / 16 is "small" (see make_buckets)
+SMALL_FRACTION = 16  # a parameter under bucket_bytes / 16, and under SMALL_MAX, is "small"
+SMALL_MAX = 1 << 20  # (see make_buckets): biases and norms, not a large model's weight matrices
 
 
 def make_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int, world: int) -> list[Bucket]:
     """Greedy buckets over `named` (already in backward order), each at most bucket_bytes unless
     a single parameter is larger.
 
-    Small parameters (biases, norms: under bucket_bytes / SMALL_FRACTION) go into buckets of
-    their own after the large ones. Interleaved with the weights they would either cut the
-    weights' buckets short (a bucket of one bias costs a reduction, an optimizer job and an NVMe
-    slot read and write of a few KiB) or join a weight's bucket and force a flatten copy of it.
-    Their gradients are held until the end of backward, which costs little because they are
-    small."""
-    small = bucket_bytes // SMALL_FRACTION
-    large = [(n, p) for n, p in named if p.numel() * p.element_size() >= small]
-    rest = [(n, p) for n, p in named if p.numel() * p.element_size() < small]
-    groups = _greedy(large, bucket_bytes) + _greedy(rest, bucket_bytes)
+    Small parameters (biases, norms: under bucket_bytes / SMALL_FRACTION and SMALL_MAX) go into
+    one bucket of their own after the large ones. Interleaved with the weights they would either
+    cut the weights' buckets short (a bucket of one bias costs a reduction, an optimizer job and an
+    NVMe slot read and write of a few KiB) or join a weight's bucket and force a flatten copy of
+    it. Their gradients wait for the end of backward, so at most one bucket's worth is held back:
+    small parameters beyond that stay where backward order puts them."""
+    small = min(bucket_bytes // SMALL_FRACTION, SMALL_MAX)
+    held, rest, kept = 0, [], []
+    for name, p in named:
+        nbytes = p.numel() * p.element_size()
+        if nbytes < small and held + nbytes <= bucket_bytes:
+            held += nbytes
+            kept.append((name, p))
+        else:
+            rest.append((name, p))
+    groups = _greedy(rest, bucket_bytes) + _greedy(kept, bucket_bytes)
     return [Bucket(i, [p for _, p in g], [n for n, _ in g], FlatLayout.build([p.shape for _, p in g], world))
             for i, g in enumerate(groups)]
 
