@@ -98,6 +98,11 @@ def test_float32_out_is_the_updated_master_bit_for_bit(isa: str) -> None:
         _run(p, m, v, _grads(n, 2, torch.bfloat16, seed=n), [1e-2, 5e-3], mode="adamw", isa=isa, out=out)
         assert_bits_equal(out, p, f"float32 copy, n={n}, shift={shift}")
         assert out.data_ptr() != p.data_ptr()
+    n = 1_000_003  # split between threads in blocks: every block writes its own part of the copy
+    p, m, v = _state(n, seed=4)
+    out = torch.full((n,), float("nan"))
+    _run(p, m, v, _grads(n, 1, torch.float32, seed=4), [1e-3], mode="adamw", isa=isa, out=out, threads=3)
+    assert_bits_equal(out, p, "float32 copy, 3 threads")
 
 
 def _special_values(dtype: torch.dtype) -> torch.Tensor:
