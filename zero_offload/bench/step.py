@@ -7,7 +7,8 @@ Measured side by side in one run, on one model (a residual MLP stack, sized by -
   nvme         reading and writing every shard's master + m + v through the nvme store,
                through the same staging ring as the step (--staging-mib), no compute
   step         the engine's whole step (forward, backward, overlapped CPU Adam and NVMe traffic),
-               timed right after an untimed step, as in a training loop (see _steady)
+               timed right after an untimed step, as in a training loop (see _steady); fwd+bwd
+               and cpu adam are likewise timed right after an untimed run of themselves
   serial step  the same with overlap_step off (Adam after backward)
 and the overlap: step / max(fwd+bwd, cpu adam, nvme); 1.0 is perfect overlap.
 """
@@ -205,10 +206,10 @@ def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[flo
         serial_engine, serial = _engine_step(args, x, os.path.join(nvme, "serial"), overlap=False)
         sizes = _shard_sizes(engine)
         unused = [0]
-        # The step in the middle: next to the parts it is compared with, in either order.
         fwd_bwd, adam = _fwd_bwd(args, x), _adam_only(sizes, args.threads)
         # Each part right after an untimed run of itself, as a loop runs it (the nvme part reads
-        # everything cold by design: the drive traffic alone).
+        # everything cold by design: the drive traffic alone); the step in the middle, next to
+        # the parts it is compared with, in either order.
         parts = {"fwd+bwd": _Part(fwd_bwd, setup=fwd_bwd), "cpu adam": _Part(adam, setup=adam),
                  "step": _steady(engine, step, unused), io_name: _Part(_nvme_only(serial_engine)),
                  "serial step": _steady(serial_engine, serial, [0])}
