@@ -12,6 +12,7 @@ import torch
 
 import zero_offload
 from zero_offload.engine.engine import EngineStateError
+from zero_offload.engine.runtime import UPDATED_ROW
 from _engine_model import batch, make_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,6 +91,7 @@ def test_memory_report_retained_equals_ideal_when_padding_is_zero() -> None:
     assert rows[("weights", "device")]["retained"] == rows[("weights", "device")]["ideal"] == 4096 * 2
     assert rows[("gradients", "cpu")]["peak"] == rows[("gradients", "cpu")]["ideal"] == 4096 * 2
     assert report["other"]["padding (optimizer state)"] == 0
+    assert report["other"][UPDATED_ROW] == 4096 * 2  # bf16 copies the CPU Adam writes, held at step()
     assert "retained" in report["table"] and report["process"]["rss"] > 0
     engine.close()
 
@@ -105,6 +107,13 @@ def test_memory_report_names_nvme_slot_rounding(tmp_path: object) -> None:
     other = report["other"]
     assert other["NVMe slot rounding (optimizer state)"] == 4096 - 32 * 12
     assert row["retained"] - row["ideal"] == other["padding (optimizer state)"] + other["NVMe slot rounding (optimizer state)"]
+    assert other[UPDATED_ROW] == (2048 + 32) * 4  # staged fp32 shards come back in buffers of their own
+    engine.close()
+
+
+def test_memory_report_names_no_updated_copies_for_a_resident_fp32_master() -> None:
+    engine = zero_offload.initialize(torch.nn.Linear(64, 32), dict(stage=1, tiers={"optimizer": "cpu"}))
+    assert engine.memory_report(verbose=False)["other"][UPDATED_ROW] == 0  # the master is copied in place
     engine.close()
 
 

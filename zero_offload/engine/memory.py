@@ -3,7 +3,8 @@
 Columns: ideal (ledger.ideal: per-rank bytes of ZeRO with nothing else), retained (bytes the
 engine's stores and compute copy hold now), peak (their high-water mark since initialize). Rows
 below name every other allocation: padding, NVMe slot rounding (slots are whole pages), staging
-buffers, the gradient bucket in flight;
+buffers, the gradient bucket in flight, the updated weights held at step() before they are
+installed (stages 0-2);
 then the process-level figures (torch.cuda.max_memory_allocated on a
 GPU, the process RSS via psutil). With P a multiple of D x 16 the padding is zero and retained
 equals ideal for weights and optimizer state (on the nvme tier, ideal plus the named slot rounding). Gradients differ by design: without clipping,

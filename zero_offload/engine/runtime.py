@@ -23,6 +23,9 @@ from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.store import make_store
 
+UPDATED_ROW = "updated weights awaiting step()"  # host copies are pinned where CUDA is
+
+
 class BucketRuntime:
     """ZeRO stages 0-2: full compute copy on every rank, optimizer state (and grads) partitioned."""
 
@@ -144,8 +147,18 @@ class BucketRuntime:
         out = {"padding (optimizer state)": (shard_elems - owned) * 12,
                "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes(),
                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
-               "gradient bucket in flight (largest)": largest}
+               "gradient bucket in flight (largest)": largest,
+               UPDATED_ROW: self._updated_bytes()}
         return out
+
+    def _updated_bytes(self) -> int:
+        """Bytes of the buffers the optimizer writes updated weights into, all held at step() until
+        installed (pinned host memory where CUDA is): none when the fp32 master itself is handed
+        over (resident fp32 state), else every shard in the compute dtype."""
+        if self.shard_optimizer.store.addressable and self.dtype == torch.float32:
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(b.layout.shard_numel for b in self.buckets) * elem
 
     def close(self) -> None:
         self.reducer.remove()
