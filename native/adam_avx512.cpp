@@ -71,7 +71,9 @@ __m256i to_lowp(__m512 p) {
   return kInsn ? bf16_by_insn(p) : bf16_by_integer(p);
 }
 
-// Converts the updated weights [i, stop) (still in L1) into the low-precision copy. Whole
+constexpr int64_t out_bytes(int O) { return O == ZO_DTYPE_F32 ? 4 : 2; }
+
+// Writes the updated weights [i, stop) (still in L1) into the copy, converted to O. Whole
 // vectors go out as NT (non-temporal) stores when aligned: the copy is write-only here, so
 // reading its old bytes in first would be wasted traffic.
 template <int O, bool kInsn>
@@ -137,7 +139,7 @@ void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t b
   const zo_adam_tensor t = tensor;  // a local copy: stores through its pointers cannot change it
   // NT stores need 32-byte (bf16/f16) or 64-byte (f32) alignment; chunks start 512 elements
   // apart, so one check serves all.
-  const bool stream = (reinterpret_cast<uintptr_t>(static_cast<char*>(t.lowp_out) + begin * (O == ZO_DTYPE_F32 ? 4 : 2)) &
+  const bool stream = (reinterpret_cast<uintptr_t>(static_cast<char*>(t.lowp_out) + begin * out_bytes(O)) &
                        (O == ZO_DTYPE_F32 ? 63 : 31)) == 0;
   for (int64_t i = begin; i < end; i += kChunk) {
     const int64_t stop = i + kChunk < end ? i + kChunk : end;

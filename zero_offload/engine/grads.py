@@ -54,15 +54,15 @@ def make_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
     it. Their gradients wait for the end of backward, so at most one bucket's worth is held back:
     small parameters beyond that stay where backward order puts them."""
     small = min(bucket_bytes // SMALL_FRACTION, SMALL_MAX)
-    held, rest, kept = 0, [], []
+    held, rest, trailing = 0, [], []
     for name, p in named:
         nbytes = p.numel() * p.element_size()
         if nbytes < small and held + nbytes <= bucket_bytes:
             held += nbytes
-            kept.append((name, p))
+            trailing.append((name, p))
         else:
             rest.append((name, p))
-    groups = _greedy(rest, bucket_bytes) + _greedy(kept, bucket_bytes)
+    groups = _greedy(rest, bucket_bytes) + _greedy(trailing, bucket_bytes)  # trailing: one bucket at most
     return [Bucket(i, [p for _, p in g], [n for n, _ in g], FlatLayout.build([p.shape for _, p in g], world))
             for i, g in enumerate(groups)]
 

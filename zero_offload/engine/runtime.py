@@ -21,6 +21,7 @@ from zero_offload.config import Config
 from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.engine.step import hands_over_master
 from zero_offload.store import make_store
 
 UPDATED_ROW = "updated weights awaiting step()"  # host copies are pinned where CUDA is
@@ -143,22 +144,15 @@ class BucketRuntime:
         """Bytes outside the ledger's groups, named (see memory.py)."""
         owned = sum(n for pcs in self.shard_map().values() for (_, _, _, n) in pcs)
         shard_elems = sum(b.layout.shard_numel for b in self.buckets)
-        largest = max(b.layout.padded_numel for b in self.buckets) * torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        # Every updated shard waits at step() in a buffer of its own, unless the master is it.
+        copies = not hands_over_master(self.shard_optimizer.store.addressable, self.dtype)
         out = {"padding (optimizer state)": (shard_elems - owned) * 12,
                "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes(),
                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
-               "gradient bucket in flight (largest)": largest,
-               UPDATED_ROW: self._updated_bytes()}
+               "gradient bucket in flight (largest)": max(b.layout.padded_numel for b in self.buckets) * elem,
+               UPDATED_ROW: shard_elems * elem if copies else 0}
         return out
-
-    def _updated_bytes(self) -> int:
-        """Bytes of the buffers the optimizer writes updated weights into, all held at step() until
-        installed (pinned host memory where CUDA is): none when the fp32 master itself is handed
-        over (resident fp32 state), else every shard in the compute dtype."""
-        if self.shard_optimizer.store.addressable and self.dtype == torch.float32:
-            return 0
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(b.layout.shard_numel for b in self.buckets) * elem
 
     def close(self) -> None:
         self.reducer.remove()

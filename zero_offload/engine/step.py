@@ -52,6 +52,13 @@ class Job:
     into: torch.Tensor | None = None  # write the updated weights here (a sub-shard's slice of its shard's)
 
 
+def hands_over_master(resident: bool, out_dtype: torch.dtype) -> bool:
+    """A resident fp32 master is itself the updated weights: the step hands it over and the
+    receiver copies from it when it installs them (no second buffer of the weights held
+    meanwhile). Any other shard's updated weights go to a buffer of their own."""
+    return resident and out_dtype == torch.float32
+
+
 class HostAdam:
     """The CPU Adam (native when built) stepping a shard in host memory."""
 
@@ -252,9 +259,7 @@ class StepPipeline:
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad
-        if job.into is None and staged is None and self.out_dtype == torch.float32:
-            # A resident fp32 master is itself the updated weights: the receiver copies from it
-            # when it installs them (no second buffer of the weights held meanwhile).
+        if job.into is None and hands_over_master(staged is None, self.out_dtype):
             self.kernel(master, grad, m, v, job.scalars, None)
             job.out, job.out_owned = master, False
         else:
