@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, span
+from zero_offload.io.buffers import aligned_empty
 from zero_offload.optim.flat import adam_step_flat
 from zero_offload.store.base import Handle, Store
 
@@ -57,6 +58,19 @@ def hands_over_master(resident: bool, out_dtype: torch.dtype) -> bool:
     receiver copies from it when it installs them (no second buffer of the weights held
     meanwhile). Any other shard's updated weights go to a buffer of their own."""
     return resident and out_dtype == torch.float32
+
+
+def updated_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A fresh buffer for one shard's updated weights. On the host it is page-aligned, so that a
+    stage-3 update goes from it to the params tier's drive directly (an unaligned tensor is first
+    copied through the swap store's bounce buffers), and pinned where CUDA is, so that its upload
+    is asynchronous."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    # Small pages: the buffer lives on as the parameters' storage (stages 0-2), and a huge page's
+    # rounding would add up to 2 MiB to each.
+    return aligned_empty(nbytes, pin=torch.cuda.is_available(), huge_pages=False).view(dtype)
 
 
 class HostAdam:
@@ -265,10 +279,7 @@ class StepPipeline:
         else:
             # The kernel writes the updated weights into a buffer of their own in the same pass
             # (an fp32 copy too: a staged master's ring region is reused once released).
-            out = job.into
-            if out is None:
-                pin = master.device.type == "cpu" and torch.cuda.is_available()  # so the upload is async
-                out = torch.empty(job.numel, dtype=self.out_dtype, device=master.device, pin_memory=pin)
+            out = job.into if job.into is not None else updated_buffer(job.numel, self.out_dtype, master.device)
             self.kernel(master, grad, m, v, job.scalars, out)
             job.out, job.out_owned = out, True
         self.access.release(staged)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from zero_offload.engine.staging import ALIGN
+from zero_offload.engine.step import updated_buffer
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ class Assembly:
         self._open: dict[str, tuple[torch.Tensor, int]] = {}  # owner -> (buffer, sub-shards to come)
 
     def begin(self, owner: str, numel: int, subs: int, dtype: torch.dtype) -> torch.Tensor:
-        """A fresh buffer for `owner`'s updated shard (pinned where CUDA is: the upload is async)."""
-        buf = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+        """A fresh buffer for `owner`'s updated shard (page-aligned and pinned where CUDA is, as
+        step.updated_buffer says why)."""
+        buf = updated_buffer(numel, dtype, torch.device("cpu"))
         with self._lock:
             if owner in self._open:
                 raise RuntimeError(f"shard {owner!r} is already being updated in this step")

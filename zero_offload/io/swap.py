@@ -78,6 +78,7 @@ class SwapStore:
             raise ValueError(f"swap store needs rank >= 0 and capacity_bytes >= 0, got {rank}, {capacity_bytes}")
         io = io or IOConfig()
         self.block_size = io.block_size
+        self.bounced = 0  # transfers that went through the bounce pool (their tensor was not page-aligned)
         budget = _bounce_budget(bounce_budget_bytes, self.block_size)
         roots = check_paths(paths)
         per_file = round_up(-(-capacity_bytes // len(roots)))
@@ -199,6 +200,7 @@ class SwapStore:
             return DoneFuture()
         if data.data_ptr() % ALIGN == 0 or not e.file.direct:
             return self._direct(e, data, write)
+        self.bounced += 1
         fut = self._bouncer.submit(self._bounced, e, data, write)
         return ThreadFuture(fut)
 

@@ -77,6 +77,11 @@ class NvmeStore(Store):
     def peak_bytes(self) -> int:
         return self.bytes_retained()
 
+    @property
+    def bounced_transfers(self) -> int:
+        """Transfers copied through the swap store's bounce buffers (their tensor was not page-aligned)."""
+        return self._swap.bounced
+
     def drive_traffic(self) -> tuple[int, int]:
         return self._read_bytes, self._written_bytes
 
