@@ -12,7 +12,9 @@ from _stage3_model import batch, make_model, max_rel_err, reference, train_runti
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.materialize import save_safetensors
 from zero_offload.engine.stage3 import Stage3Runtime
-from zero_offload.engine.unit import UnitState
+from zero_offload.engine.unit import StagingPool, Unit, UnitState
+from zero_offload.store.base import Handle
+from zero_offload.store.host import HostStore
 
 CPU = torch.device("cpu")
 
@@ -245,3 +247,48 @@ def test_units_chosen_by_size_with_the_tied_head_in_another_unit_train_like_the_
     worst, err = max_rel_err(rt.consolidated_state_dict(), ref_w)
     assert err <= 1e-5, (worst, err)
     rt.close()
+
+
+class _SlowStore(HostStore):
+    """A cpu store whose writes land only when waited for (a write still in flight to the drive),
+    counting reads: a fetch that read it before the write landed would get the old values."""
+
+    def __init__(self) -> None:
+        super().__init__(pin=False)
+        self.reads = 0
+
+    def write(self, key: str, src: torch.Tensor) -> Handle:
+        return Handle(lambda: super(_SlowStore, self).write(key, src).wait(), src)
+
+    def view(self, key: str) -> torch.Tensor | None:
+        return None  # not addressable: fetches go through read()
+
+    def read(self, key: str, dst: torch.Tensor) -> Handle:
+        self.reads += 1
+        return super().read(key, dst)
+
+
+def test_fetch_takes_a_shard_still_being_written_from_memory() -> None:
+    """The unit updated last in a step is the first the next forward needs: its fetch copies the
+    values of the write in flight instead of waiting for it and reading them back."""
+    lin = nn.Linear(4, 3)
+    store = _SlowStore()
+    unit = Unit(0, "lin", [(n, p, p.shape) for n, p in lin.named_parameters()], dtype=torch.float32,
+                device=CPU, store=store, staging=StagingPool(store))
+    key = unit.groups[0].key
+    n = unit.groups[0].layout.shard_numel  # 15 values and padding
+    old, new = torch.zeros(n), torch.arange(float(n))
+    unit.write_shard(key, old)
+    unit.settle_writes()
+    unit.write_shard(key, new)  # in flight: the store still holds `old`
+    unit.begin_fetch()
+    unit.fetch_local()
+    unit.finish_gather()
+    assert store.reads == 0 and torch.equal(torch.cat([lin.weight.reshape(-1), lin.bias]), new[:15])
+    unit.release()
+    unit.settle_writes()  # the write lands; the next fetch reads the store
+    unit.begin_fetch()
+    unit.fetch_local()
+    unit.finish_gather()
+    assert store.reads == 1 and torch.equal(torch.cat([lin.weight.reshape(-1), lin.bias]), new[:15])
+    unit.release()

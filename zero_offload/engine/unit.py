@@ -106,7 +106,7 @@ class Unit:
             if chosen:
                 self.groups.append(self._make_group(chosen, trainable))
         self._pending: Callable[[], None] | None = None
-        self._writes: dict[str, Handle] = {}  # shard writes in flight, by group key
+        self._writes: dict[str, tuple[Handle, torch.Tensor]] = {}  # shard writes in flight (and their values), by group key
         self._write_lock = threading.Lock()
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
@@ -156,6 +156,10 @@ class Unit:
                 self._read_shard(g.key, g.flat[lo:hi])
 
     def _read_shard(self, key: str, slot: torch.Tensor) -> None:
+        pending = self._pending_write(key)
+        if pending is not None:  # the shard's newest values are still being written: take them from memory
+            copy_async(slot, pending).wait()
+            return
         self.settle_write(key)
         if self.store.view(key) is not None:  # resident tier: one (possibly host->device) copy
             self.store.read(key, slot).wait()
@@ -230,11 +234,22 @@ class Unit:
     # ---- shards ----
     def write_shard(self, key: str, values: torch.Tensor) -> None:
         """Start storing a new compute-copy shard of group `key` (initial weights or an optimizer
-        update). It completes in the background: the next read of `key` (or settle_writes) waits
-        for it, and an earlier write of the same key is finished first so writes never reorder."""
+        update). It completes in the background: a fetch meanwhile copies `values` instead of
+        reading the drive, read_shard and settle_writes wait for it, and an earlier write of the
+        same key is finished first so writes never reorder. `values` must not change until then."""
+        src = values.to(self.dtype).reshape(-1)
         with self._write_lock:
             self._settle_locked(key)
-            self._writes[key] = self.store.write(key, values.to(self.dtype).reshape(-1))
+            self._writes[key] = (self.store.write(key, src), src)
+
+    def _pending_write(self, key: str) -> torch.Tensor | None:
+        """The values of `key`'s write still in flight, if any. A fetch copies them instead of
+        waiting for the write and reading it back: the unit updated last in a step is the first
+        one the next forward needs. The write itself goes on (and is settled as before); the
+        writer never modifies a tensor after handing it to write_shard."""
+        with self._write_lock:
+            entry = self._writes.get(key)
+            return None if entry is None else entry[1]
 
     def settle_write(self, key: str) -> None:
         """Finish the write of `key` in flight, if any (re-raising its failure). Thread-safe: the
@@ -243,10 +258,10 @@ class Unit:
             self._settle_locked(key)
 
     def _settle_locked(self, key: str) -> None:
-        handle = self._writes.get(key)
-        if handle is not None:
+        entry = self._writes.get(key)
+        if entry is not None:
             try:
-                handle.wait()
+                entry[0].wait()
             finally:  # forgotten only once it has ended: no reader passes a write still in flight
                 del self._writes[key]
 
