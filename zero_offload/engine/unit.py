@@ -17,8 +17,8 @@ objects themselves, so tied weights stay one object and optimizers/hooks keyed b
 State machine (owned here, transitions assert the state they leave):
     SHARDED --begin_fetch--> FETCHING --finish_gather--> GATHERED --release--> SHARDED
     FETCHING --abandon--> SHARDED   (a prefetch that turned out not to be needed)
-`fetch_local` (this rank's shard: tier -> staging buffer -> device slot) may run on a background
-thread; `finish_gather` (the all-gather) always runs on the main thread, in execution order, so
+`fetch_local` (this rank's shard: tier -> staging buffer -> device slot, or straight from the
+values of a write of that shard still in flight) may run on a background thread; `finish_gather` (the all-gather) always runs on the main thread, in execution order, so
 every rank issues the same collectives in the same order.
 """
 from __future__ import annotations
