@@ -18,8 +18,9 @@ State machine (owned here, transitions assert the state they leave):
     SHARDED --begin_fetch--> FETCHING --finish_gather--> GATHERED --release--> SHARDED
     FETCHING --abandon--> SHARDED   (a prefetch that turned out not to be needed)
 `fetch_local` (this rank's shard: tier -> staging buffer -> device slot, or straight from the
-values of a write of that shard still in flight) may run on a background thread; `finish_gather` (the all-gather) always runs on the main thread, in execution order, so
-every rank issues the same collectives in the same order.
+values of a write of that shard still in flight) may run on a background thread; `finish_gather`
+(the all-gather) always runs on the main thread, in execution order, so every rank issues the
+same collectives in the same order.
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ class Unit:
             if chosen:
                 self.groups.append(self._make_group(chosen, trainable))
         self._pending: Callable[[], None] | None = None
-        self._writes: dict[str, tuple[Handle, torch.Tensor]] = {}  # shard writes in flight (and their values), by group key
+        self._writes: dict[str, tuple[Handle, torch.Tensor]] = {}  # writes in flight and their values, by group key
         self._write_lock = threading.Lock()
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:

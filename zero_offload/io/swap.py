@@ -200,7 +200,8 @@ class SwapStore:
             return DoneFuture()
         if data.data_ptr() % ALIGN == 0 or not e.file.direct:
             return self._direct(e, data, write)
-        self.bounced += 1
+        with self._lock:
+            self.bounced += 1
         fut = self._bouncer.submit(self._bounced, e, data, write)
         return ThreadFuture(fut)
 
