@@ -167,7 +167,8 @@ def test_checkpoint_with_other_frozen_parameters_is_refused(tmp_path: object) ->
 @pytest.mark.parametrize("budget", [64 << 20, 36 * 1024], ids=["whole-shards", "sub-shards"])
 def test_stage3_updates_reach_the_drive_without_bounce_copies(tmp_path: object, budget: int) -> None:
     """Each updated compute-copy shard goes from the step's page-aligned buffer to the params tier's
-    drive directly; an unaligned one would be copied through the swap store's bounce buffers."""
+    drive directly, and so do the initial shards and optimizer state; an unaligned tensor would be
+    copied through the swap store's bounce buffers first."""
     cfg = {"stage": 3, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
            "nvme_paths": [str(tmp_path)], "pinned_budget_bytes": budget,
            "stage3": {"unit_modules": ["Block3"]}, "optimizer": {"lr": 1e-2}}
@@ -176,8 +177,9 @@ def test_stage3_updates_reach_the_drive_without_bounce_copies(tmp_path: object, 
         store = engine.runtime.params_store
         split = any(len(subs) > 1 for subs in engine.runtime.shard_optimizer.subshards.values())
         assert split == (budget < 1 << 20)  # the small budget steps the units in assembled sub-shards
-        before = store.bounced_transfers
+        opt_store = engine.runtime.shard_optimizer.store
+        assert store.bounced_transfers == 0 and opt_store.bounced_transfers == 0  # the initial writes too
         _train(engine, range(3))
-        assert store.drive_traffic()[1] > 0 and store.bounced_transfers == before
+        assert store.drive_traffic()[1] > 0 and store.bounced_transfers == 0 and opt_store.bounced_transfers == 0
     finally:
         engine.close()
