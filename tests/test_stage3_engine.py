@@ -164,14 +164,15 @@ def test_checkpoint_with_other_frozen_parameters_is_refused(tmp_path: object) ->
     engine.close()
 
 
-@pytest.mark.parametrize("budget", [64 << 20, 36 * 1024], ids=["whole-shards", "sub-shards"])
-def test_stage3_updates_reach_the_drive_without_bounce_copies(tmp_path: object, budget: int) -> None:
+@pytest.mark.parametrize("budget,dtype", [(64 << 20, "fp32"), (36 * 1024, "fp32"), (64 << 20, "bf16")],
+                         ids=["whole-shards", "sub-shards", "bf16"])
+def test_stage3_updates_reach_the_drive_without_bounce_copies(tmp_path: object, budget: int, dtype: str) -> None:
     """Each updated compute-copy shard goes from the step's page-aligned buffer to the params tier's
     drive directly, and so do the initial shards and optimizer state; an unaligned tensor would be
     copied through the swap store's bounce buffers first."""
     cfg = {"stage": 3, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
            "nvme_paths": [str(tmp_path)], "pinned_budget_bytes": budget,
-           "stage3": {"unit_modules": ["Block3"]}, "optimizer": {"lr": 1e-2}}
+           "stage3": {"unit_modules": ["Block3"]}, "optimizer": {"lr": 1e-2}, "precision": {"dtype": dtype}}
     engine = zero_offload.initialize(make_model(), cfg)
     try:
         store = engine.runtime.params_store

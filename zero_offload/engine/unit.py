@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from zero_offload import comm
+from zero_offload.engine.step import updated_buffer
 from zero_offload.partition import FlatLayout
 from zero_offload.store.base import Handle, Store
 from zero_offload.store.resident import copy_async
@@ -238,7 +239,9 @@ class Unit:
         update). It completes in the background: a fetch meanwhile copies `values` instead of
         reading the drive, read_shard and settle_writes wait for it, and an earlier write of the
         same key is finished first so writes never reorder. `values` must not change until then."""
-        src = values.to(self.dtype).reshape(-1)
+        src = values.reshape(-1)
+        if src.dtype != self.dtype:  # into a page-aligned host buffer: an nvme tier's direct path
+            src = updated_buffer(src.numel(), self.dtype, src.device).copy_(src)
         with self._write_lock:
             self._settle_locked(key)
             self._writes[key] = (self.store.write(key, src), src)
