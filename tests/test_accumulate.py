@@ -59,3 +59,25 @@ def test_keys_accumulate_independently(accumulator: Accumulator) -> None:
     assert torch.equal(accumulator.add("b", b[1].clone(), boundary=True), b[1] + b[0])
     assert torch.equal(accumulator.add("a", a[1].clone(), boundary=True), a[1] + a[0])
     assert sorted(accumulator.store.keys()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2}, {"clip_grad_norm": 1.0}],
+                         ids=["accumulation", "clipping"])
+def test_flat_gradients_reach_an_nvme_grads_tier_without_bounce_copies(tmp_path: Path, extra: dict) -> None:
+    """A bucket's flat gradient (host, several parameters) is page-aligned from its flatten on:
+    the accumulation buffer and the gradients held for clipping go to the drive directly."""
+    import zero_offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))  # one bucket of four
+    engine = zero_offload.initialize(model, {"stage": 1, "tiers": {"grads": "nvme", "optimizer": "nvme"},
+                                             "nvme_paths": [str(tmp_path)], **extra})
+    try:
+        for _ in range(4):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).sum())
+            engine.step()
+        stores = [engine.runtime.shard_optimizer.grad_store, engine.runtime.accumulator.store]
+        assert sum(s.drive_traffic()[1] for s in stores) > 0
+        assert [s.bounced_transfers for s in stores] == [0, 0]
+    finally:
+        engine.close()

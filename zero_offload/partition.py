@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from zero_offload.io.buffers import aligned_empty
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -84,7 +86,12 @@ class FlatLayout:
         """A new padded flat buffer holding `tensors` times `scale` (zeros in the padding).
         The scale is applied while copying: one pass over the data, not two."""
         dtype = dtype or tensors[0].dtype
-        flat = torch.empty(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        device = tensors[0].device
+        if device.type == "cpu":  # page-aligned: an nvme grads tier writes it without a bounce copy
+            nbytes = self.padded_numel * torch.empty((), dtype=dtype).element_size()
+            flat = aligned_empty(nbytes, huge_pages=False).view(dtype)
+        else:
+            flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
         for view, t in zip(self.views(flat), tensors):
             if scale == 1.0:
                 view.copy_(t)

@@ -47,7 +47,7 @@ class Accumulator:
         if view is not None:
             return view
         numel, dtype = self._buffers[key]
-        return self.store.read(key, torch.empty(numel, dtype=dtype)).wait()
+        return self.store.read(key, self.store.staging_buffer(numel, dtype)).wait()  # the store's fast path
 
     def close(self) -> None:
         """Release the store (NVMe files are removed)."""
