@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from zero_offload.io.buffers import aligned_empty
+from zero_offload.io.buffers import aligned_tensor
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ class FlatLayout:
         dtype = dtype or tensors[0].dtype
         device = tensors[0].device
         if device.type == "cpu":  # page-aligned: an nvme grads tier writes it without a bounce copy
-            nbytes = self.padded_numel * torch.empty((), dtype=dtype).element_size()
-            flat = aligned_empty(nbytes, huge_pages=False).view(dtype)
+            flat = aligned_tensor(self.padded_numel, dtype, huge_pages=False)
         else:
             flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
         for view, t in zip(self.views(flat), tensors):

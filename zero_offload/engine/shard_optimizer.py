@@ -29,7 +29,7 @@ from zero_offload.config import Config
 from zero_offload.engine.subshards import Assembly, SubShard, subshard_limit, split
 from zero_offload.engine.precision import LossScaler, clip_coefficient
 from zero_offload.engine.step import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
-from zero_offload.io.buffers import aligned_empty
+from zero_offload.io.buffers import aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.store.resident import copy_async
 
@@ -110,7 +110,7 @@ class ShardOptimizer:
         for sub in self.subshards[key]:
             self.store.allocate(sub.key, len(PARTS) * sub.numel, torch.float32)  # master, m, v back to back
             # Page-aligned: an nvme tier writes it straight to the drive, not through bounce buffers.
-            state = aligned_empty(len(PARTS) * sub.numel * 4).view(torch.float32)
+            state = aligned_tensor(len(PARTS) * sub.numel, torch.float32)
             state[sub.numel:].zero_()
             state[:sub.numel].copy_(flat[sub.lo:sub.hi])
             self.store.write(sub.key, state).wait()

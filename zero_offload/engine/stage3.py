@@ -40,7 +40,7 @@ from zero_offload.engine.prefetch import Prefetcher
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
 from zero_offload.engine.unit_policy import Plan, plan_units
-from zero_offload.io.buffers import aligned_empty
+from zero_offload.io.buffers import aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.trace import tracer
 
@@ -135,7 +135,7 @@ class Stage3Runtime:
         """Full fp32 values of one unit -> this rank's master shard and compute-copy shard."""
         for g in u.groups:
             # Page-aligned: with one process it is the shard an nvme tier writes straight to the drive.
-            full = aligned_empty(g.layout.padded_numel * 4).view(torch.float32).zero_()
+            full = aligned_tensor(g.layout.padded_numel, torch.float32).zero_()
             live = [p.detach() for p in g.params]
             filler.fill(list(zip(g.names, g.params)), g.layout.views(full), live)
             if filler.weights is None and self.world > 1:  # a random init may differ by rank: rank 0's wins

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, span
-from zero_offload.io.buffers import aligned_empty
+from zero_offload.io.buffers import aligned_tensor
 from zero_offload.optim.flat import adam_step_flat
 from zero_offload.store.base import Handle, Store
 
@@ -67,10 +67,9 @@ def updated_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     is asynchronous."""
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     # Small pages: the buffer lives on as the parameters' storage (stages 0-2), and a huge page's
     # rounding would add up to 2 MiB to each.
-    return aligned_empty(nbytes, pin=torch.cuda.is_available(), huge_pages=False).view(dtype)
+    return aligned_tensor(numel, dtype, pin=torch.cuda.is_available(), huge_pages=False)
 
 
 class HostAdam:

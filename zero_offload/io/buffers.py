@@ -49,6 +49,13 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False,
     return raw[start:start + nbytes]
 
 
+def aligned_tensor(numel: int, dtype: torch.dtype, *, pin: bool = False, huge_pages: bool = True) -> torch.Tensor:
+    """`aligned_empty` as a 1-D tensor of `numel` elements of `dtype`: what the engine allocates
+    for a host buffer that the drive reads or writes directly (no bounce copy)."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return aligned_empty(nbytes, pin=pin, huge_pages=huge_pages).view(dtype)
+
+
 def _advise_huge(address: int, length: int) -> None:
     """Best effort: a kernel without THP (or with it off) just keeps small pages."""
     madvise = getattr(_libc(), "madvise", None)
