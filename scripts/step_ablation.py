@@ -1,9 +1,10 @@
 """Where the overlapped step's time goes: the engine's step in variants, paired with plain fwd+bwd.
 
 The measurement behind docs/perf_step.md's "what the step costs beyond fwd+bwd". Each round times
-every variant once, right after an untimed run of itself (as `zero-offload bench-step` times its
-parts), in alternating order; the figure per variant is the median over rounds of its time divided
-by the same round's plain fwd+bwd (a paired ratio: load on the shared host falls on both).
+every variant once, right after an untimed run of itself, in alternating order (bench-step's own
+round-robin, `bench.step._interleaved`); the figure per variant is the median over rounds of its
+time divided by the same round's plain fwd+bwd (a paired ratio: load on the shared host falls on
+both).
 
   fwd+bwd          the plain model, no engine
   fwd+bwd busy     the same while another process keeps the second core busy (a host effect:
@@ -27,7 +28,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,20 +89,6 @@ def _check_patches(engines: dict[str, tuple[object, Callable[[], None]]]) -> Non
         raise SystemExit("step_ablation: the 'nvme no adam' engine did not run the copy-only kernel")
 
 
-def _rounds(parts: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int) -> dict[str, list[float]]:
-    """parts: name -> (run, settle); each run timed right after an untimed run of itself."""
-    times: dict[str, list[float]] = {k: [] for k in parts}
-    for r in range(rounds + 1):
-        for name, (run, settle) in (list(parts.items()) if r % 2 == 0 else list(parts.items())[::-1]):
-            run()
-            t0 = time.perf_counter()
-            run()
-            if r:  # round 0 warms up
-                times[name].append(time.perf_counter() - t0)
-            settle()
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=30)
@@ -128,13 +114,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as root:
         engines = _engines(args, x, root)
-        parts: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
-            "fwd+bwd": (plain, bench._nothing), "fwd+bwd busy": (busy_plain, bench._nothing)}
+        # Each run timed right after an untimed run of itself, as bench-step times its parts.
+        parts = {"fwd+bwd": bench._Part(plain, setup=plain), "fwd+bwd busy": bench._Part(busy_plain, setup=busy_plain)}
         for name, (engine, run) in engines.items():
             access = engine.runtime.shard_optimizer.access  # type: ignore[attr-defined]
-            parts[name] = (run, access.flush)  # the ring emptied after each timed step, untimed
+            parts[name] = bench._Part(run, setup=run, settle=access.flush)  # the ring emptied after, untimed
         before = bench._cpu_times()
-        times = _rounds(parts, args.rounds)
+        times = bench._interleaved(parts, args.rounds)
         steal = bench._steal_pct(before, bench._cpu_times())
         _check_patches(engines)
         for engine, _ in engines.values():
