@@ -81,3 +81,53 @@ def test_flat_gradients_reach_an_nvme_grads_tier_without_bounce_copies(tmp_path:
         assert [s.bounced_transfers for s in stores] == [0, 0]
     finally:
         engine.close()
+
+
+def test_a_resident_tier_keeps_the_handed_over_tensor_instead_of_copying_it(accumulator: Accumulator) -> None:
+    """On the cpu tier a partial sum stays in the tensor it arrived in (no copy on the thread
+    running backward); a tensor that is part of a larger storage is copied, so the store never
+    holds more bytes than it reports. The nvme tier has to write."""
+    a, b, c = micro_batches(3)
+    first = a.clone()
+    accumulator.add("k", first, boundary=False)
+    held = accumulator.store.view("k")
+    if accumulator.store.tier == "nvme":
+        assert held is None and accumulator.store.adopt("k", b.clone()) is False
+        return
+    assert held.data_ptr() == first.data_ptr()
+    part = torch.cat([b, torch.zeros(8)])[:b.numel()]  # a view of a larger buffer: refused
+    accumulator.add("k", part, boundary=False)
+    assert accumulator.store.view("k").data_ptr() != part.data_ptr()
+    assert accumulator.store.bytes_retained() == b.numel() * 4
+    assert torch.equal(accumulator.add("k", c.clone(), boundary=True), c + (b + a))
+
+
+def test_a_resident_store_refuses_to_adopt_a_tensor_of_another_shape_under_a_key() -> None:
+    store = make_store("cpu", "grads", Config(), device=torch.device("cpu"), capacity_bytes=1 << 20)
+    assert store.adopt("k", torch.zeros(16)) and store.bytes_retained() == 64
+    with pytest.raises(ValueError, match="cannot adopt 8"):
+        store.adopt("k", torch.zeros(8))
+
+
+@pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2}, {"clip_grad_norm": 1.0}],
+                         ids=["accumulation", "clipping"])
+def test_gradients_held_on_the_cpu_tier_are_not_copied(extra: dict) -> None:
+    """Partial sums (accumulation) and the gradients held until the global norm is known
+    (clipping) stay in the tensors backward produced: the grads stores never copy one."""
+    import zero_offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    engine = zero_offload.initialize(model, {"stage": 1, "tiers": {"grads": "cpu", "optimizer": "cpu"},
+                                             "bucket_bytes": 64 * 64 * 4, **extra})  # a bucket per weight
+    stores = [engine.runtime.shard_optimizer.grad_store, engine.runtime.accumulator.store]
+    copies = []
+    for s in stores:
+        s.write = lambda key, src, _w=s.write: copies.append(key) or _w(key, src)
+    try:
+        for _ in range(4):
+            engine.backward(engine(torch.randn(4, 64)).pow(2).sum())
+            engine.step()
+        assert sum(s.peak_bytes() for s in stores) > 0 and copies == []
+    finally:
+        engine.close()

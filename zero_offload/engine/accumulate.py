@@ -34,10 +34,11 @@ class Accumulator:
         if boundary:
             self._partial.discard(key)
             return t
-        if key not in self._buffers:
-            self.store.allocate(key, t.numel(), t.dtype)
-            self._buffers[key] = (t.numel(), t.dtype)
-        self.store.write(key, t).wait()
+        if not self.store.adopt(key, t):  # a resident tier keeps `t` itself: no copy
+            if key not in self._buffers:
+                self.store.allocate(key, t.numel(), t.dtype)
+            self.store.write(key, t).wait()
+        self._buffers[key] = (t.numel(), t.dtype)
         self._partial.add(key)
         return None
 

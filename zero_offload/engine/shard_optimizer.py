@@ -137,9 +137,12 @@ class ShardOptimizer:
         if ready is not None:
             ready.wait()
         self._sq_norm += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
-        if key not in self.grad_store.keys():
-            self.grad_store.allocate(key, grad.numel(), grad.dtype)
-        self.grad_store.write(key, grad).wait()
+        # `grad` is ours here (handed over, cloned or downloaded): a resident grads tier keeps it
+        # as it is, with no copy on the thread running backward.
+        if not self.grad_store.adopt(key, grad):
+            if key not in self.grad_store.keys():
+                self.grad_store.allocate(key, grad.numel(), grad.dtype)
+            self.grad_store.write(key, grad).wait()
         self._held.add(key)
 
     def finish_step(self) -> bool:

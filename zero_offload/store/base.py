@@ -50,6 +50,12 @@ class Store(ABC):
         """The stored tensor itself when the tier is addressable memory, else None."""
         return None
 
+    def adopt(self, key: str, t: torch.Tensor) -> bool:
+        """Hold `t` itself under `key` (allocating it if new) instead of copying it: the caller
+        hands `t` over and never touches it again. False where this tier cannot hold a tensor it
+        was handed (the caller then writes); only resident tiers can."""
+        return False
+
     @abstractmethod
     def free(self, key: str) -> None:
         """Release `key`'s bytes."""

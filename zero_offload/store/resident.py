@@ -81,6 +81,24 @@ class ResidentStore(Store):
     def read(self, key: str, dst: torch.Tensor) -> Handle:
         return copy_async(dst.view(-1), self._get(key))
 
+    def adopt(self, key: str, t: torch.Tensor) -> bool:
+        """Keep `t` as key's tensor: no copy (a gradient held until step(), a partial sum between
+        micro-batches). Only a tensor that is its whole storage, so that bytes_retained stays the
+        bytes really held, on this store's device and pinned where this store pins; any other
+        is refused and the caller writes it."""
+        flat = t.reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        if (flat.device != self.device or flat.storage_offset() != 0 or not flat.is_contiguous()
+                or flat.untyped_storage().nbytes() != nbytes or (self.pin and not flat.is_pinned())):
+            return False
+        old = self._tensors.get(key)
+        if old is not None and (old.numel(), old.dtype) != (flat.numel(), flat.dtype):
+            raise ValueError(f"store {self.tier}: key {key!r} holds {old.numel()} x {old.dtype}, "
+                             f"cannot adopt {flat.numel()} x {flat.dtype}")
+        self._tensors[key] = flat
+        self._peak = max(self._peak, self.bytes_retained())
+        return True
+
     def staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for transfers with this store (pinned host memory when pinning applies)."""
         return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
