@@ -96,7 +96,9 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=512, help="as bench-step (default 512)")
     ap.add_argument("--layers", type=int, default=8, help="as bench-step (default 8)")
     ap.add_argument("--nvme-path", default=None, help="directory on the drive (default: a temp dir)")
+    ap.add_argument("--malloc", choices=("tuned", "default"), default="tuned", help="as bench-step (default tuned)")
     args = ap.parse_args()
+    allocator = bench.steady_allocator(args.malloc)
     torch.set_num_threads(1)
     x = torch.randn(args.tokens, args.d_model)
     ctx = mp.get_context("spawn")
@@ -127,7 +129,8 @@ def main() -> None:
             engine.close()  # type: ignore[attr-defined]
     stop.set()
     spinner.join(timeout=5)
-    print(f"step ablation: {args.tokens} rows, {args.rounds} paired rounds, cpu steal {steal or 0.0:.1f}%")
+    print(f"step ablation: {args.tokens} rows, {args.rounds} paired rounds, cpu steal {steal or 0.0:.1f}%; "
+          f"allocator: {allocator}")
     for name, ts in times.items():
         ratio = statistics.median(t / b for t, b in zip(ts, times["fwd+bwd"]))
         print(f"  {name:14} {statistics.median(ts) * 1e3:7.1f} ms   paired / fwd+bwd {ratio:6.3f}")

@@ -55,7 +55,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "optimizer state (12 B/param) so every step really reads and writes the drive")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for fwd+bwd and CPU Adam threads each (default 1)")
+    parser.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                        help="tuned (default): glibc keeps freed memory, so the plain fwd+bwd is timed without the "
+                             "page faults its zero_grad causes; default: leave glibc as it is")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest allowed mmap threshold on 64-bit
+
+
+def steady_allocator(mode: str) -> str:
+    """Set glibc's malloc so that freed tensor memory stays in the process ("tuned"), or leave
+    it ("default"); returns a line saying which. With the defaults, a plain loop's
+    zero_grad(set_to_none=True) frees every gradient at once, glibc hands the pages back to the
+    kernel, and the next backward page-faults them in again: 10-30% of this model's fwd+bwd on
+    the 2-vCPU machine we measured (docs/perf_step.md), while the engine, which frees each
+    gradient as the step consumes it, hardly pays it. Comparing against a baseline slowed that
+    way would flatter the step, so every part runs with the tuned allocator unless asked."""
+    if mode == "default":
+        return "glibc defaults (fwd+bwd may pay page faults the engine does not: see --malloc)"
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None or not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, 1 << 30)):
+        return "unchanged (not glibc)"
+    return "glibc, mmap threshold 32 MiB and trim threshold 1 GiB: freed memory is reused, no part pays page faults"
 
 
 def _nothing() -> None:
@@ -258,15 +283,18 @@ def _print(args: argparse.Namespace, result: dict) -> None:
           f"{result['step_over_largest_of_medians']:.2f} x)")
     print(f"  overlap                  {result['overlap_pct']:9.0f} %   of the time that could be hidden is hidden "
           f"(from the medians)")
+    print(f"  allocator                {result['allocator']}")
     if result["cpu_steal_pct"] is not None:
         print(f"  cpu steal                {result['cpu_steal_pct']:9.1f} %   of the machine's CPU time went to other "
               "virtual machines during the rounds (above ~3%, the host was contended: the ratio suffers)")
 
 
 def main(args: argparse.Namespace) -> int:
+    allocator = steady_allocator(args.malloc)  # before any part allocates
     torch.set_num_threads(args.threads)
     io_name = "nvme" if args.tier == "nvme" else "state copy (cpu tier)"
     result = _summarize(args, io_name, *_measure(args, io_name))
+    result["allocator"] = allocator
     if args.json:
         print(json.dumps(result, indent=2))
     else:
