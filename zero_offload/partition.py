@@ -82,12 +82,15 @@ class FlatLayout:
         return [flat[o:o + s.numel()].view(s) for s, o in zip(self.shapes, self.offsets)]
 
     def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
-                scale: float = 1.0) -> torch.Tensor:
+                scale: float = 1.0, *, aligned: bool = True) -> torch.Tensor:
         """A new padded flat buffer holding `tensors` times `scale` (zeros in the padding).
-        The scale is applied while copying: one pass over the data, not two."""
+        The scale is applied while copying: one pass over the data, not two. On the host it is
+        page-aligned unless `aligned=False`: a buffer bound for the drive (an nvme grads tier)
+        then needs no bounce copy, while one kept in memory is exactly its own storage, which a
+        resident store can hold without copying (Store.adopt)."""
         dtype = dtype or tensors[0].dtype
         device = tensors[0].device
-        if device.type == "cpu":  # page-aligned: an nvme grads tier writes it without a bounce copy
+        if device.type == "cpu" and aligned:
             flat = aligned_tensor(self.padded_numel, dtype, huge_pages=False)
         else:
             flat = torch.empty(self.padded_numel, dtype=dtype, device=device)

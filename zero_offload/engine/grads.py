@@ -85,7 +85,7 @@ class GradReducer:
 
     def __init__(self, buckets: list[Bucket], *, partitioned: bool, accumulate_shard: bool,
                  accumulator: Accumulator, dtype: torch.dtype, scale: float,
-                 sink: Callable[[Bucket, torch.Tensor], None]) -> None:
+                 sink: Callable[[Bucket, torch.Tensor], None], flat_to_drive: bool = False) -> None:
         self.buckets = buckets
         self.partitioned = partitioned  # reduce-scatter (stage 1-2) or all-reduce (stage 0)
         self.accumulate_shard = accumulate_shard  # stage 2: accumulate after reduce-scatter
@@ -93,6 +93,7 @@ class GradReducer:
         self.dtype = dtype
         self.scale = scale
         self.sink = sink
+        self.flat_to_drive = flat_to_drive  # an nvme grads tier: flat buffers page-aligned for it
         self.rank = comm.rank()
         self.active = False
         self.boundary = True
@@ -133,7 +134,7 @@ class GradReducer:
         g = grads[0]
         if len(grads) == 1 and b.layout.padding == 0 and g.dtype == self.dtype and g.is_contiguous():
             return g.view(-1) if self.scale == 1.0 else g.view(-1).mul_(self.scale)
-        return b.layout.flatten(grads, dtype=self.dtype, scale=self.scale)
+        return b.layout.flatten(grads, dtype=self.dtype, scale=self.scale, aligned=self.flat_to_drive)
 
     def _launch(self, b: Bucket) -> None:
         flat = self._flatten(b)

@@ -51,7 +51,8 @@ class BucketRuntime:
         scale = 1.0 / (self.world * config.gradient_accumulation_steps)
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,
-                                   dtype=self.dtype, scale=scale, sink=self._sink)
+                                   dtype=self.dtype, scale=scale, sink=self._sink,
+                                   flat_to_drive=config.tiers.grads == "nvme")
         self._updated: dict[str, tuple[torch.Tensor, bool]] = {}  # key -> (updated shard, owned)
 
     @property
