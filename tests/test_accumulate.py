@@ -123,7 +123,7 @@ def test_gradients_held_on_the_cpu_tier_are_not_copied(extra: dict, weights_per_
     engine = zero_offload.initialize(model, {"stage": 1, "tiers": {"grads": "cpu", "optimizer": "cpu"},
                                              "bucket_bytes": weights_per_bucket * 64 * 64 * 4, **extra})
     stores = [engine.runtime.shard_optimizer.grad_store, engine.runtime.accumulator.store]
-    copies = []
+    copies: list[str] = []
     for s in stores:
         s.write = lambda key, src, _w=s.write: copies.append(key) or _w(key, src)
     try:
