@@ -59,6 +59,13 @@ def test_tiny_run_reports_every_part_and_full_drive_traffic(tmp_path: Path, caps
         result["seconds"]["step"] / max(result["seconds"][k] for k in ("fwd+bwd", "cpu adam", "nvme")))
     ratios = result["step_over_largest_per_round"]
     assert len(ratios) == 1 and result["step_over_largest"] == pytest.approx(ratios[0])
+    # Where the step's time goes, phase by phase, beside plain fwd+bwd: measured inside the one
+    # timed run of each, so the phases add up to no more than the run.
+    phases = result["phases"]
+    assert set(phases["fwd+bwd"]) == {"forward", "backward"} and set(phases["step"]) == {"forward", "backward", "step()"}
+    assert all(v > 0 for part in phases.values() for v in part.values())
+    for part in ("fwd+bwd", "step"):
+        assert sum(phases[part].values()) <= result["seconds"][part]
     steal = result["cpu_steal_pct"]
     assert steal is None or 0.0 <= steal <= 100.0
     assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
@@ -68,7 +75,7 @@ def test_table_names_the_traffic_and_the_ratio(tmp_path: Path, capsys: pytest.Ca
     assert bench_step.main(_args(TINY + ["--staging-mib", "0.25", "--nvme-path", str(tmp_path)])) == 0
     out = capsys.readouterr().out
     for label in ("fwd+bwd", "cpu adam", "nvme", "serial step", "drive traffic per step", "step / largest part",
-                  "allocator                glibc defaults"):
+                  "step by phase            forward", "allocator                glibc defaults"):
         assert label in out, out
 
 

@@ -115,17 +115,38 @@ def _interleaved(parts: dict[str, _Part], rounds: int) -> dict[str, list[float]]
     return times
 
 
-def _steady(engine: object, step: Callable[[], None], unused: list[int]) -> _Part:
+class _PhaseLog:
+    """Seconds per phase (forward, backward, step()) of a part's timed runs, not of its untimed
+    setup runs: where the step's time goes, beside the same phases of plain fwd+bwd."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}  # written by the run itself
+        self.timed: list[dict[str, float]] = []
+
+    def timed_run(self, run: Callable[[], None]) -> Callable[[], None]:
+        def go() -> None:
+            run()
+            self.timed.append(dict(self.last))
+        return go
+
+    def medians(self) -> dict[str, float]:
+        rounds = self.timed[1:]  # the first is _interleaved's warm-up, not a timed round
+        return {k: statistics.median(d[k] for d in rounds) for k in rounds[0]} if rounds else {}
+
+
+def _steady(engine: object, step: Callable[[], None], unused: list[int],
+            timed: Callable[[], None] | None = None) -> _Part:
     """The step as a training loop runs it: right after another (untimed) step, so the read-ahead
     that step started and its last write-backs run under the timed one, as they would under the
     next step's forward. Afterwards the ring is emptied, untimed: its read-ahead must not run
     under the next part (slowing it) nor fill the ring for free for the next timed step.
-    `unused` collects the bytes read ahead and never stepped."""
+    `unused` collects the bytes read ahead and never stepped; `timed`, if given, is what the
+    timed run calls (the step, logging its phases)."""
     access = engine.runtime.shard_optimizer.access  # type: ignore[attr-defined]
 
     def settle() -> None:
         unused[0] += access.flush()
-    return _Part(step, setup=step, settle=settle)
+    return _Part(timed or step, setup=step, settle=settle)
 
 
 def _cpu_times() -> list[int] | None:
@@ -153,12 +174,17 @@ def _round_ratios(times: dict[str, list[float]], candidates: tuple[str, ...]) ->
     return [step / max(times[k][i] for k in candidates) for i, step in enumerate(times["step"])]
 
 
-def _fwd_bwd(args: argparse.Namespace, x: torch.Tensor) -> Callable[[], None]:
+def _fwd_bwd(args: argparse.Namespace, x: torch.Tensor, log: _PhaseLog | None = None) -> Callable[[], None]:
     model = _model(args.d_model, args.layers)
+    log = log or _PhaseLog()
 
     def run() -> None:
-        model(x).pow(2).mean().backward()
+        t0 = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        t1 = time.perf_counter()
+        loss.backward()
         model.zero_grad(set_to_none=True)
+        log.last.update(forward=t1 - t0, backward=time.perf_counter() - t1)
     return run
 
 
@@ -202,7 +228,8 @@ def _traffic(engine: object) -> tuple[int, int]:
     return sum(r for r, _ in pairs), sum(w for _, w in pairs)
 
 
-def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: bool) -> tuple[object, Callable[[], None]]:
+def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: bool,
+                 log: _PhaseLog | None = None) -> tuple[object, Callable[[], None]]:
     import zero_offload
 
     cfg = dict(stage=1, tiers={"optimizer": args.tier, "grads": "cpu"}, overlap_step=overlap,
@@ -210,33 +237,41 @@ def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: 
                pinned_budget_bytes=int(args.staging_mib * 2**20),
                nvme_paths=[nvme] if args.tier == "nvme" else [])
     engine = zero_offload.initialize(_model(args.d_model, args.layers), cfg)
+    log = log or _PhaseLog()
 
     def run() -> None:
+        t0 = time.perf_counter()
         loss = engine(x).pow(2).mean()
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
+        log.last.update({"forward": t1 - t0, "backward": t2 - t1, "step()": time.perf_counter() - t2})
         run.calls += 1  # type: ignore[attr-defined]
     run.calls = 0  # type: ignore[attr-defined]
     return engine, run
 
 
-def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int, int, float | None]:
+def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[float]], list[float], int, int,
+                                                             float | None, dict[str, dict[str, float]]]:
     """Per-round seconds of every part, the overlapped engine's drive traffic per step
-    (read, written), the optimizer state's bytes, the staging ring's, and the CPU steal (%)
-    during the rounds."""
+    (read, written), the optimizer state's bytes, the staging ring's, the CPU steal (%)
+    during the rounds, and the median seconds per phase of fwd+bwd and of the step."""
     x = torch.randn(args.tokens, args.d_model)
+    logs = {"fwd+bwd": _PhaseLog(), "step": _PhaseLog()}
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as nvme:
         os.makedirs(os.path.join(nvme, "serial"))
-        engine, step = _engine_step(args, x, nvme, overlap=True)
+        engine, step = _engine_step(args, x, nvme, overlap=True, log=logs["step"])
         serial_engine, serial = _engine_step(args, x, os.path.join(nvme, "serial"), overlap=False)
         sizes = _shard_sizes(engine)
         unused = [0]
-        fwd_bwd, adam = _fwd_bwd(args, x), _adam_only(sizes, args.threads)
+        fwd_bwd, adam = _fwd_bwd(args, x, logs["fwd+bwd"]), _adam_only(sizes, args.threads)
         # Each part right after an untimed run of itself, as a loop runs it (the nvme part reads
         # everything cold by design: the drive traffic alone); the step in the middle, next to
         # the parts it is compared with, in either order.
-        parts = {"fwd+bwd": _Part(fwd_bwd, setup=fwd_bwd), "cpu adam": _Part(adam, setup=adam),
-                 "step": _steady(engine, step, unused), io_name: _Part(_nvme_only(serial_engine)),
+        parts = {"fwd+bwd": _Part(logs["fwd+bwd"].timed_run(fwd_bwd), setup=fwd_bwd), "cpu adam": _Part(adam, setup=adam),
+                 "step": _steady(engine, step, unused, logs["step"].timed_run(step)),
+                 io_name: _Part(_nvme_only(serial_engine)),
                  "serial step": _steady(serial_engine, serial, [0])}
         before, cpu_before = _traffic(engine), _cpu_times()
         times = _interleaved(parts, args.steps)
@@ -247,18 +282,19 @@ def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[flo
         per_step = [(a - b) / max(step.calls, 1) for a, b in zip(after, before)]  # type: ignore[attr-defined]
         engine.close()
         serial_engine.close()
-    return times, per_step, 12 * sum(sizes), ring_bytes, steal
+    return times, per_step, 12 * sum(sizes), ring_bytes, steal, {k: v.medians() for k, v in logs.items()}
 
 
 def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[float]],
-               per_step: list[float], state_bytes: int, ring_bytes: int, steal: float | None) -> dict:
+               per_step: list[float], state_bytes: int, ring_bytes: int, steal: float | None,
+               phases: dict[str, dict[str, float]]) -> dict:
     order = ("fwd+bwd", "cpu adam", io_name, "step", "serial step")  # the three parts, then the steps
     figures = {name: statistics.median(times[name]) for name in order}
     candidates = [figures[k] for k in ("fwd+bwd", "cpu adam", io_name)]
     ratios = _round_ratios(times, ("fwd+bwd", "cpu adam", io_name))
     params = sum(p.numel() for p in _model(args.d_model, args.layers).parameters())
     return {"params": params, "tokens": args.tokens, "tier": args.tier, "threads": args.threads,
-            "seconds": figures, "step_over_largest": statistics.median(ratios),
+            "seconds": figures, "phases": phases, "step_over_largest": statistics.median(ratios),
             "step_over_largest_per_round": ratios,
             "step_over_largest_of_medians": figures["step"] / max(candidates),
             "drive_bytes_per_step": {"read": per_step[0], "written": per_step[1]},
@@ -283,6 +319,11 @@ def _print(args: argparse.Namespace, result: dict) -> None:
           f"{result['step_over_largest_of_medians']:.2f} x)")
     print(f"  overlap                  {result['overlap_pct']:9.0f} %   of the time that could be hidden is hidden "
           f"(from the medians)")
+    plain, step = result["phases"]["fwd+bwd"], result["phases"]["step"]
+    if plain and step:
+        print(f"  step by phase            forward {step['forward'] * 1e3:.1f} ms (fwd+bwd: {plain['forward'] * 1e3:.1f}), "
+              f"backward {step['backward'] * 1e3:.1f} ms ({plain['backward'] * 1e3:.1f}), "
+              f"step() {step['step()'] * 1e3:.1f} ms   (medians)")
     print(f"  allocator                {result['allocator']}")
     if result["cpu_steal_pct"] is not None:
         print(f"  cpu steal                {result['cpu_steal_pct']:9.1f} %   of the machine's CPU time went to other "
