@@ -109,18 +109,18 @@ def test_a_resident_store_refuses_to_adopt_a_tensor_of_another_shape_under_a_key
         store.adopt("k", torch.zeros(8))
 
 
-@pytest.mark.parametrize("weights_per_bucket", [1, 2])
+@pytest.mark.parametrize("stage, weights_per_bucket", [(1, 1), (1, 2), (3, 1)])
 @pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2}, {"clip_grad_norm": 1.0}],
                          ids=["accumulation", "clipping"])
-def test_gradients_held_on_the_cpu_tier_are_not_copied(extra: dict, weights_per_bucket: int) -> None:
+def test_gradients_held_on_the_cpu_tier_are_not_copied(extra: dict, stage: int, weights_per_bucket: int) -> None:
     """Partial sums (accumulation) and the gradients held until the global norm is known
-    (clipping) stay in the tensors backward produced (one weight per bucket) or the bucket's
-    flat buffer (two): the grads stores never copy one."""
+    (clipping) stay in the tensors backward produced (one weight per bucket) or the flat buffer
+    of a bucket (two) or of a stage-3 unit: the grads stores never copy one."""
     import zero_offload
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
-    engine = zero_offload.initialize(model, {"stage": 1, "tiers": {"grads": "cpu", "optimizer": "cpu"},
+    engine = zero_offload.initialize(model, {"stage": stage, "tiers": {"grads": "cpu", "optimizer": "cpu"},
                                              "bucket_bytes": weights_per_bucket * 64 * 64 * 4, **extra})
     stores = [engine.runtime.shard_optimizer.grad_store, engine.runtime.accumulator.store]
     copies: list[str] = []

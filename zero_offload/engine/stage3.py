@@ -94,7 +94,7 @@ class Stage3Runtime:
         self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
         self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
         self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
-        self._accum = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config, device=self.device,
+        self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config, device=self.device,
                                              rank=self.rank, capacity_bytes=(1 << 20)))  # NVMe files grow on demand
         self.phase = Phase.IDLE
         self.boundary = True
@@ -233,9 +233,9 @@ class Stage3Runtime:
         if u.index in self._done:
             return
         self._done.add(u.index)
-        shard = u.reduce_grads(self.scale)
+        shard = u.reduce_grads(self.scale, aligned=self.config.tiers.grads == "nvme")
         if shard is not None:  # off the boundary it only goes into the accumulation buffer
-            shard = self._accum.add(u.trainable.key, shard, self.boundary)
+            shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
         if shard is not None:
             self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
         if u.index in self._held:
@@ -385,7 +385,7 @@ class Stage3Runtime:
         """(bytes held now, high-water mark) by (group, tier): the params tier holds the compute-copy
         shards; gathered units are reported by extras()."""
         so, ps = self.shard_optimizer, self.params_store
-        grads = [so.grad_store, self._accum.store]
+        grads = [so.grad_store, self.accumulator.store]
         return {("weights", self.config.tiers.params): (ps.bytes_retained(), ps.peak_bytes()),
                 ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
                 ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
@@ -431,6 +431,6 @@ class Stage3Runtime:
             for u in self.units:
                 u.settle_writes()
         finally:  # the files go even when a last write failed
-            self._accum.close()
+            self.accumulator.close()
             self.params_store.close()
 

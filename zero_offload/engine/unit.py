@@ -280,8 +280,10 @@ class Unit:
         out = torch.empty(group.layout.shard_numel, dtype=self.dtype)
         return self.store.read(key, out).wait()
 
-    def reduce_grads(self, scale: float) -> torch.Tensor | None:
+    def reduce_grads(self, scale: float, *, aligned: bool = True) -> torch.Tensor | None:
         """This rank's grad shard of the trainable group (sum over ranks x `scale`); frees `.grad`.
+        `aligned`: the flat buffer page-aligned for a drive (an nvme grads tier), or exactly its
+        own storage, which a resident grads tier keeps without a copy (FlatLayout.flatten).
 
         Must be called on every rank in the same unit order (reduce-scatter is collective). A
         parameter that got no gradient contributes zeros, as at stages 0-2.
@@ -293,7 +295,7 @@ class Unit:
                  for p, shape in zip(g.params, g.layout.shapes)]
         for p in g.params:
             p.grad = None
-        full = g.layout.flatten(grads, dtype=self.dtype, scale=scale)  # scaled while copying: one pass
+        full = g.layout.flatten(grads, dtype=self.dtype, scale=scale, aligned=aligned)  # scaled while copying: one pass
         if self.world == 1:
             return full  # the whole flat buffer is the one shard: no copy
         shard = torch.empty(g.layout.shard_numel, dtype=self.dtype, device=self.device)
