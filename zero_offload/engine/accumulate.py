@@ -23,7 +23,7 @@ class Accumulator:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._partial: set[str] = set()  # keys whose buffer holds this cycle's partial sum
-        self._buffers: dict[str, tuple[int, torch.dtype]] = {}  # numel, dtype of each allocated buffer
+        self._buffers: dict[str, tuple[int, torch.dtype]] = {}  # numel, dtype of each key's buffer in the store (allocated or adopted)
 
     def add(self, key: str, t: torch.Tensor, boundary: bool) -> torch.Tensor | None:
         """Add `t` (handed over: modified in place) to key's partial sum. On the boundary return

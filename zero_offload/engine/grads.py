@@ -93,7 +93,7 @@ class GradReducer:
         self.dtype = dtype
         self.scale = scale
         self.sink = sink
-        self.flat_to_drive = flat_to_drive  # an nvme grads tier: flat buffers page-aligned for it
+        self.flat_to_drive = flat_to_drive  # the grads store is a drive: flat buffers page-aligned for it
         self.rank = comm.rank()
         self.active = False
         self.boundary = True

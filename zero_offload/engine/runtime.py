@@ -52,7 +52,7 @@ class BucketRuntime:
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,
                                    dtype=self.dtype, scale=scale, sink=self._sink,
-                                   flat_to_drive=config.tiers.grads == "nvme")
+                                   flat_to_drive=not self.accumulator.store.addressable)
         self._updated: dict[str, tuple[torch.Tensor, bool]] = {}  # key -> (updated shard, owned)
 
     @property

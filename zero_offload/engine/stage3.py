@@ -94,8 +94,9 @@ class Stage3Runtime:
         self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
         self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
         self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
-        self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config, device=self.device,
-                                             rank=self.rank, capacity_bytes=(1 << 20)))  # NVMe files grow on demand
+        self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
+                                                  device=self.device, rank=self.rank,
+                                                  capacity_bytes=(1 << 20)))  # NVMe files grow on demand
         self.phase = Phase.IDLE
         self.boundary = True
         self._fresh: dict[str, torch.Tensor] = {}
@@ -233,7 +234,7 @@ class Stage3Runtime:
         if u.index in self._done:
             return
         self._done.add(u.index)
-        shard = u.reduce_grads(self.scale, aligned=self.config.tiers.grads == "nvme")
+        shard = u.reduce_grads(self.scale, aligned=not self.accumulator.store.addressable)  # a drive wants it aligned
         if shard is not None:  # off the boundary it only goes into the accumulation buffer
             shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
         if shard is not None:
