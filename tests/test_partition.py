@@ -43,3 +43,23 @@ def test_bad_layout_input() -> None:
     layout = FlatLayout.build([(2,)], 2, align=1)
     with pytest.raises(ValueError, match="flat buffer has 3 elements, layout needs 2"):
         layout.views(torch.zeros(3))
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flatten_every_path_gives_the_same_padded_buffer(aligned: bool, scale: float, dtype: torch.dtype) -> None:
+    """One native call (scale 1, not page-aligned), or a copy per tensor: the same values, the
+    same zeros in the padding, the requested dtype, and a buffer of its own."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for s in [(3, 5), (7,), (2, 3)]]
+    layout = FlatLayout.build([t.shape for t in tensors], 4, align=4)
+    assert layout.padding > 0
+    flat = layout.flatten(tensors, dtype=dtype, scale=scale, aligned=aligned)
+    expected = torch.cat([(t * scale).reshape(-1) for t in tensors]).to(dtype)
+    assert flat.dtype == dtype and flat.numel() == layout.padded_numel
+    assert torch.equal(flat[:layout.numel], expected)
+    assert torch.count_nonzero(flat[layout.numel:]) == 0
+    assert all(flat.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in tensors)
+    if aligned:
+        assert flat.data_ptr() % 4096 == 0

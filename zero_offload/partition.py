@@ -90,7 +90,14 @@ class FlatLayout:
         resident store can hold without copying (Store.adopt)."""
         dtype = dtype or tensors[0].dtype
         device = tensors[0].device
-        if device.type == "cpu" and aligned:
+        host_aligned = device.type == "cpu" and aligned
+        if scale == 1.0 and not host_aligned and (len(tensors) > 1 or self.padding):
+            # One native call instead of three per tensor: this runs in backward's hooks, where
+            # each call from Python is slow (~30 us: the compute has just flushed the caches).
+            pad = [torch.zeros(self.padding, dtype=dtype, device=device)] if self.padding else []
+            flat = torch._utils._flatten_dense_tensors([*tensors, *pad])  # concatenates: a new buffer
+            return flat if flat.dtype == dtype else flat.to(dtype)
+        if host_aligned:
             flat = aligned_tensor(self.padded_numel, dtype, huge_pages=False)
         else:
             flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
@@ -99,7 +106,8 @@ class FlatLayout:
                 view.copy_(t)
             else:
                 torch.mul(t, scale, out=view)
-        flat[self.numel:].zero_()
+        if self.padding:
+            flat[self.numel:].zero_()
         return flat
 
     def shard_from(self, tensors: Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,8 @@ class GradReducer:
         self.boundary = True
         self._next = 0
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._direct = {b.index for b in buckets
+                        if len(b.params) == 1 and b.layout.padding == 0 and b.params[0].dtype == dtype}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
 
     def begin(self, boundary: bool) -> None:
@@ -126,14 +128,19 @@ class GradReducer:
     def _flatten(self, b: Bucket) -> torch.Tensor:
         """The bucket's gradients as one scaled flat buffer; the parameters' .grad are released.
 
-        A bucket of one parameter without padding needs no copy: autograd's gradient tensor,
-        which nothing else references once .grad is cleared, becomes the flat buffer."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        for p in b.params:
-            p.grad = None
-        g = grads[0]
-        if len(grads) == 1 and b.layout.padding == 0 and g.dtype == self.dtype and g.is_contiguous():
-            return g.view(-1) if self.scale == 1.0 else g.view(-1).mul_(self.scale)
+        A bucket of one parameter without padding, in the gradient dtype (`_direct`, decided
+        once: this runs in backward's hooks, where each line is slow), needs no copy: autograd's
+        gradient tensor, which nothing else references once .grad is cleared, is the flat buffer."""
+        if b.index in self._direct:
+            p = b.params[0]
+            g, p.grad = p.grad, None
+            if g is not None and g.is_contiguous():
+                return g.view(-1) if self.scale == 1.0 else g.view(-1).mul_(self.scale)
+            grads = [g if g is not None else torch.zeros_like(p)]
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            for p in b.params:
+                p.grad = None
         return b.layout.flatten(grads, dtype=self.dtype, scale=self.scale, aligned=self.flat_to_drive)
 
     def _launch(self, b: Bucket) -> None:

@@ -53,7 +53,11 @@ class BucketRuntime:
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,
                                    dtype=self.dtype, scale=scale, sink=self._sink,
                                    flat_to_drive=not self.accumulator.store.addressable)
-        self._updated: dict[str, tuple[torch.Tensor, bool]] = {}  # key -> (updated shard, owned)
+        self._bucket = {b.key: b for b in self.buckets}
+        # Buckets whose parameters can take an owned updated buffer as their storage (decided
+        # once; the updated shards come in the compute dtype, on the compute device).
+        self._adoptable = {b.index for b in self.buckets
+                           if all(p.is_contiguous() and p.dtype == self.dtype and p.device == device for p in b.params)}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -73,20 +77,20 @@ class BucketRuntime:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)
 
     def _on_updated(self, key: str, shard: torch.Tensor, owned: bool) -> None:
+        """Install an updated shard as soon as finish_step has it (backward is over: nothing
+        reads the parameters until the next forward), while the worker steps the last shards.
+        Shards complete in bucket order on every rank, so the all-gathers of stages 1-2 are
+        issued in the same order everywhere."""
         # From pinned host memory this upload is asynchronous on the current stream, ordered
         # before the next forward; the host buffer is not reused before then (see step.py).
-        # Already on the device in the compute dtype, the shard is used as it is: step() installs
-        # it before anything (the next step's Adam) can modify it.
+        # Already on the device in the compute dtype, the shard is used as it is: it is
+        # installed before anything (the next step's Adam) can modify it.
         moved = shard.to(self.device, self.dtype, non_blocking=True)
-        self._updated[key] = (moved, owned or moved is not shard)
+        self._install(self._bucket[key], moved, owned or moved is not shard)
 
     def step(self) -> bool:
         """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
         applied = self.shard_optimizer.finish_step()
-        for b in self.buckets:
-            updated = self._updated.pop(b.key, None)
-            if updated is not None:
-                self._install(b, *updated)
         self.shard_optimizer.prefetch()  # after the installs: its thread would compete for the GIL
         return applied
 
@@ -101,12 +105,13 @@ class BucketRuntime:
             full = torch.empty(b.layout.padded_numel, dtype=self.dtype, device=self.device)
             comm.all_gather_(full, shard)
             owned = True
+        if owned and b.index in self._adoptable:  # as step() runs after backward: few calls
+            for p, v in zip(b.params, b.layout.views(full)):
+                p.data = v
+            return
         with torch.no_grad():
             for p, v in zip(b.params, b.layout.views(full)):
-                if owned and p.is_contiguous() and p.dtype == v.dtype and p.device == v.device:
-                    p.data = v
-                else:
-                    p.copy_(v)
+                p.copy_(v)
 
     def refresh_params(self) -> None:
         """Rebuild the compute copy from the master shards (after a checkpoint load)."""

@@ -150,16 +150,20 @@ class ShardOptimizer:
         try:  # a failed step must not leave this step's arrivals behind for the next one
             if not self.eager and not self._submit_held():
                 return False
-            for job in self.pipeline.drain():
-                self.steps[self._subshard[job.key].owner] = job.scalars.step
-                if self.on_updated is not None and not self.stream_updates:
-                    done = self._updated(job)
-                    if done is not None:
-                        self.on_updated(*done)
+            self.pipeline.drain(self._completed)
             self.optimizer.step()
             return True
         finally:
             self._end_step()
+
+    def _completed(self, job: Job) -> None:
+        """A job of this step is done (on the caller's thread, while the worker steps the rest):
+        its shard's step count, and `on_updated` once the whole shard is."""
+        self.steps[self._subshard[job.key].owner] = job.scalars.step
+        if self.on_updated is not None and not self.stream_updates:
+            done = self._updated(job)
+            if done is not None:
+                self.on_updated(*done)
 
     def _submit_held(self) -> bool:
         """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""

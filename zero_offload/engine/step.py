@@ -206,17 +206,34 @@ class StepPipeline:
         self.on_done = on_done
         self.done: list[Job] = []
         self._error: BaseException | None = None
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        # A SimpleQueue's put is one C call: submit() runs in backward's gradient hooks, where
+        # every interpreted line is paid with caches the compute has just flushed. Completion
+        # is counted apart (submitted by the one submitting thread, finished under _idle).
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._submitted = 0
+        self._finished = 0
         self._worker: threading.Thread | None = None
         if kernel.host:
             self._worker = threading.Thread(target=self._loop, name="zero-offload-step", daemon=True)
             self._worker.start()
 
     def submit(self, job: Job) -> None:
+        """Step `job` (on the worker for a host kernel). Called from one thread at a time: the
+        one running backward."""
         if self._worker is None:
             self._run(job)
         else:
+            self._submitted += 1
             self._queue.put(job)
+
+    def _wait_idle(self) -> None:
+        """Until the worker has finished every job submitted so far."""
+        if self._worker is None:
+            return
+        with self._idle:
+            while self._finished < self._submitted:
+                self._idle.wait()
 
     def prefetch(self) -> None:
         """Start reading the coming step's state ahead, in the predicted order (after a step,
@@ -226,22 +243,42 @@ class StepPipeline:
 
     def quiesce(self) -> None:
         """Wait until the worker is idle and no transfer is in flight (before touching the store)."""
-        if self._worker is not None:
-            self._queue.join()
+        self._wait_idle()
         self.access.flush()
 
-    def drain(self) -> list[Job]:
+    def drain(self, each: Callable[[Job], None] | None = None) -> list[Job]:
         """Wait for every submitted job; return them in completion order (and forget them).
-        Write-backs may still be in flight (StateAccess waits for them before any reuse)."""
-        if self._worker is not None:
-            self._queue.join()
+        `each(job)`, if given, runs on this thread as soon as each job is done, while the worker
+        steps the rest: a step() after backward installs the shards stepped during backward
+        while the worker finishes the last ones. Write-backs may still be in flight
+        (StateAccess waits for them before any reuse)."""
+        try:
+            self._take_done(each)
+        finally:  # `each` may raise: the jobs still in flight finish before anything is forgotten
+            self._wait_idle()
+            done, self.done = self.done, []
         if self._error is not None:
             err, self._error = self._error, None
             self.done = []
             self.access.flush(after_error=True)
             raise RuntimeError(f"the optimizer step failed: {err}") from err
-        done, self.done = self.done, []
         return done
+
+    def _take_done(self, each: Callable[[Job], None] | None) -> None:
+        """Hand each finished job to `each` as it finishes, until every submitted one has (or one failed)."""
+        taken = 0
+        while True:
+            with self._idle:
+                while taken == len(self.done) and self._finished < self._submitted and self._error is None:
+                    self._idle.wait()
+                batch, last = self.done[taken:], self._finished >= self._submitted
+            taken += len(batch)
+            if self._error is not None:
+                return
+            for job in batch if each is not None else ():
+                each(job)
+            if last:
+                return
 
     def close(self) -> None:
         """Stop the worker first (it may still touch the staging ring), then the ring's transfers and thread."""
@@ -255,17 +292,16 @@ class StepPipeline:
             raise RuntimeError(f"the optimizer step failed: {err}") from err
 
     def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
+        while (job := self._queue.get()) is not None:
             try:
-                if job is None:
-                    return
                 if self._error is None:
                     self._run(job)
             except BaseException as exc:  # surfaced by drain() on the caller's thread
                 self._error = exc
             finally:
-                self._queue.task_done()
+                with self._idle:
+                    self._finished += 1
+                    self._idle.notify_all()
 
     def _run(self, job: Job) -> None:
         (master, m, v), staged = self.access.acquire(job.key, job.numel)

@@ -1,0 +1,82 @@
+"""The step pipeline hands each finished job to the caller while the worker steps the rest."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from zero_offload.config import Config
+from zero_offload.engine.step import Job, Scalars, StateAccess, StepPipeline
+from zero_offload.store import make_store
+
+WAIT_S = 10.0  # a bound on every wait below: a broken hand-over fails instead of hanging CI
+
+
+class _GatedKernel:
+    """A host kernel that adds the gradient to the master; the job of shard `gated` waits until
+    `gate` is set (by the caller's handling of an earlier job) and records whether it was."""
+
+    host = True
+
+    def __init__(self, gated: int) -> None:
+        self.gated, self.gate, self.opened = gated, threading.Event(), None
+
+    def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 s: Scalars, out: torch.Tensor | None) -> None:
+        if master.numel() == self.gated:
+            self.opened = self.gate.wait(WAIT_S)
+        master.add_(grad)
+        if out is not None:
+            out.copy_(master)
+
+
+def _pipeline(kernel: _GatedKernel, sizes: list[int]) -> StepPipeline:
+    cfg = Config(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"})
+    store = make_store("cpu", "optimizer", cfg, device=torch.device("cpu"))
+    access = StateAccess(store)
+    for i, n in enumerate(sizes):
+        store.allocate(f"s{i}", 3 * n, torch.float32)
+        store.write(f"s{i}", torch.zeros(3 * n)).wait()
+        access.add(n)
+    return StepPipeline(kernel, access, torch.float32, planned=lambda: [])
+
+
+def _jobs(sizes: list[int]) -> list[Job]:
+    s = Scalars(1, 0.1, 0.9, 0.999, 1e-8, 0.0, True)
+    return [Job(f"s{i}", n, torch.full((n,), float(i + 1)), s) for i, n in enumerate(sizes)]
+
+
+def test_drain_hands_over_each_job_before_the_last_one_is_stepped() -> None:
+    sizes = [8, 16, 32]
+    kernel = _GatedKernel(gated=32)  # the last job waits for the caller to have the first
+    pipe = _pipeline(kernel, sizes)
+    seen: list[str] = []
+
+    def each(job: Job) -> None:
+        seen.append(job.key)
+        assert job.out is not None and torch.equal(job.out, torch.full((job.numel,), float(int(job.key[1:]) + 1)))
+        kernel.gate.set()
+    for job in _jobs(sizes):
+        pipe.submit(job)
+    done = pipe.drain(each)
+    pipe.close()
+    assert kernel.opened is True, "drain() waited for every job before handing any over"
+    assert seen == ["s0", "s1", "s2"] and [j.key for j in done] == seen
+
+
+def test_a_failing_handler_waits_for_the_jobs_in_flight_and_the_next_drain_starts_clean() -> None:
+    sizes = [8, 16]
+    kernel = _GatedKernel(gated=-1)
+    pipe = _pipeline(kernel, sizes)
+
+    def fail(job: Job) -> None:
+        raise ValueError(f"handler refused {job.key}")
+    for job in _jobs(sizes):
+        pipe.submit(job)
+    with pytest.raises(ValueError, match="handler refused s0"):
+        pipe.drain(fail)
+    assert pipe.drain() == []  # nothing of the failed drain is handed over again
+    pipe.submit(_jobs(sizes)[0])
+    assert [j.key for j in pipe.drain()] == ["s0"]
+    pipe.close()
