@@ -67,16 +67,69 @@ def test_drain_hands_over_each_job_before_the_last_one_is_stepped() -> None:
 
 def test_a_failing_handler_waits_for_the_jobs_in_flight_and_the_next_drain_starts_clean() -> None:
     sizes = [8, 16]
-    kernel = _GatedKernel(gated=-1)
-    pipe = _pipeline(kernel, sizes)
+    kernel = _GatedKernel(gated=16)  # s1 is stepped only once the handler has seen s0
 
     def fail(job: Job) -> None:
+        kernel.gate.set()
         raise ValueError(f"handler refused {job.key}")
+    pipe = _pipeline(kernel, sizes)
     for job in _jobs(sizes):
         pipe.submit(job)
     with pytest.raises(ValueError, match="handler refused s0"):
         pipe.drain(fail)
+    assert kernel.opened is True and pipe._finished == 2  # s1 was stepped before drain() gave up
     assert pipe.drain() == []  # nothing of the failed drain is handed over again
     pipe.submit(_jobs(sizes)[0])
     assert [j.key for j in pipe.drain()] == ["s0"]
+    pipe.close()
+
+
+class _FailingKernel(_GatedKernel):
+    """Fails on the shard of `bad` elements; the shard before it is stepped only once `gate` is
+    set, so the failure can come while the caller still handles earlier jobs."""
+
+    def __init__(self, gated: int, bad: int) -> None:
+        super().__init__(gated)
+        self.bad = bad
+
+    def __call__(self, master: torch.Tensor, *args: object) -> None:
+        if master.numel() == self.bad:
+            raise OSError("simulated kernel failure")
+        super().__call__(master, *args)
+
+
+def test_after_a_worker_failure_every_job_stepped_before_it_is_handed_over() -> None:
+    """Whatever the timing, the caller gets exactly the jobs that finished before the failure (the
+    worker steps in order and skips the rest), then the error; the next step starts clean."""
+    sizes = [8, 16, 24, 32]
+    kernel = _FailingKernel(gated=16, bad=24)
+    pipe = _pipeline(kernel, sizes)
+    seen: list[str] = []
+
+    def each(job: Job) -> None:
+        seen.append(job.key)
+        kernel.gate.set()
+    for job in _jobs(sizes):
+        pipe.submit(job)
+    with pytest.raises(RuntimeError, match="the optimizer step failed: simulated kernel failure"):
+        pipe.drain(each)
+    assert seen == ["s0", "s1"]
+    pipe.submit(_jobs(sizes)[0])
+    assert [j.key for j in pipe.drain()] == ["s0"]
+    pipe.close()
+
+
+class _InlineKernel(_GatedKernel):
+    host = False  # a device kernel: run inline by submit(), no worker
+
+
+def test_without_a_worker_drain_hands_over_every_job_in_order() -> None:
+    sizes = [8, 16]
+    kernel = _InlineKernel(gated=-1)
+    pipe = _pipeline(kernel, sizes)
+    seen: list[str] = []
+    for job in _jobs(sizes):
+        pipe.submit(job)
+    done = pipe.drain(lambda job: seen.append(job.key))
+    assert seen == ["s0", "s1"] and [j.key for j in done] == seen
     pipe.close()

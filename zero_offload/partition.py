@@ -91,12 +91,13 @@ class FlatLayout:
         dtype = dtype or tensors[0].dtype
         device = tensors[0].device
         host_aligned = device.type == "cpu" and aligned
-        if scale == 1.0 and not host_aligned and (len(tensors) > 1 or self.padding):
+        if (scale == 1.0 and not host_aligned and (len(tensors) > 1 or self.padding)
+                and all(t.dtype == dtype for t in tensors)):
             # One native call instead of three per tensor: this runs in backward's hooks, where
             # each call from Python is slow (~30 us: the compute has just flushed the caches).
+            # At least two tensors (the padding counts): of one, it would return a view, not a copy.
             pad = [torch.zeros(self.padding, dtype=dtype, device=device)] if self.padding else []
-            flat = torch._utils._flatten_dense_tensors([*tensors, *pad])  # concatenates: a new buffer
-            return flat if flat.dtype == dtype else flat.to(dtype)
+            return torch._utils._flatten_dense_tensors([*tensors, *pad])
         if host_aligned:
             flat = aligned_tensor(self.padded_numel, dtype, huge_pages=False)
         else:

@@ -54,8 +54,10 @@ class BucketRuntime:
                                    dtype=self.dtype, scale=scale, sink=self._sink,
                                    flat_to_drive=not self.accumulator.store.addressable)
         self._bucket = {b.key: b for b in self.buckets}
+        self._to_gather: dict[str, tuple[torch.Tensor, bool]] = {}  # key -> (updated shard, owned), D > 1
         # Buckets whose parameters can take an owned updated buffer as their storage (decided
-        # once; the updated shards come in the compute dtype, on the compute device).
+        # once, as the parameters are laid out now; the updated shards come in the compute dtype,
+        # on the compute device).
         self._adoptable = {b.index for b in self.buckets
                            if all(p.is_contiguous() and p.dtype == self.dtype and p.device == device for p in b.params)}
 
@@ -77,20 +79,31 @@ class BucketRuntime:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)
 
     def _on_updated(self, key: str, shard: torch.Tensor, owned: bool) -> None:
-        """Install an updated shard as soon as finish_step has it (backward is over: nothing
-        reads the parameters until the next forward), while the worker steps the last shards.
-        Shards complete in bucket order on every rank, so the all-gathers of stages 1-2 are
-        issued in the same order everywhere."""
+        """An updated shard, as soon as finish_step has it (backward is over: nothing reads the
+        parameters until the next forward). A bucket whose shard is this rank's alone is
+        installed at once, while the worker steps the last shards; one that must be all-gathered
+        (stages 1-2, D > 1) waits for the whole step to succeed, so that every rank issues the
+        same all-gathers in bucket order even when a step fails part way."""
         # From pinned host memory this upload is asynchronous on the current stream, ordered
         # before the next forward; the host buffer is not reused before then (see step.py).
         # Already on the device in the compute dtype, the shard is used as it is: it is
         # installed before anything (the next step's Adam) can modify it.
         moved = shard.to(self.device, self.dtype, non_blocking=True)
-        self._install(self._bucket[key], moved, owned or moved is not shard)
+        b, owned = self._bucket[key], owned or moved is not shard
+        if b.layout.world > 1:
+            self._to_gather[key] = (moved, owned)
+        else:
+            self._install(b, moved, owned)
 
     def step(self) -> bool:
         """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
-        applied = self.shard_optimizer.finish_step()
+        try:
+            applied = self.shard_optimizer.finish_step()
+            for b in self.buckets:
+                if b.key in self._to_gather:
+                    self._install(b, *self._to_gather[b.key])
+        finally:
+            self._to_gather.clear()
         self.shard_optimizer.prefetch()  # after the installs: its thread would compete for the GIL
         return applied
 

@@ -257,24 +257,24 @@ class StepPipeline:
         finally:  # `each` may raise: the jobs still in flight finish before anything is forgotten
             self._wait_idle()
             done, self.done = self.done, []
-        if self._error is not None:
             err, self._error = self._error, None
-            self.done = []
-            self.access.flush(after_error=True)
-            raise RuntimeError(f"the optimizer step failed: {err}") from err
+            if err is not None:  # reported even when `each` raised too (that error is its context)
+                self.access.flush(after_error=True)
+                raise RuntimeError(f"the optimizer step failed: {err}") from err
         return done
 
     def _take_done(self, each: Callable[[Job], None] | None) -> None:
-        """Hand each finished job to `each` as it finishes, until every submitted one has (or one failed)."""
+        """Hand each finished job to `each` as it finishes, until every submitted one has or one
+        failed. After a failure every job that finished before it is handed over, whatever the
+        timing: the worker steps in order and skips the jobs after a failed one."""
         taken = 0
         while True:
             with self._idle:
                 while taken == len(self.done) and self._finished < self._submitted and self._error is None:
                     self._idle.wait()
-                batch, last = self.done[taken:], self._finished >= self._submitted
+                batch = self.done[taken:]
+                last = self._finished >= self._submitted or self._error is not None
             taken += len(batch)
-            if self._error is not None:
-                return
             for job in batch if each is not None else ():
                 each(job)
             if last:
