@@ -1,10 +1,13 @@
 """Where the overlapped step's time goes: the engine's step in variants, paired with plain fwd+bwd.
 
 The measurement behind docs/perf_step.md's "what the step costs beyond fwd+bwd". Each round times
-every variant once, right after an untimed run of itself, in alternating order (bench-step's own
-round-robin, `bench.step._interleaved`); the figure per variant is the median over rounds of its
-time divided by the same round's plain fwd+bwd (a paired ratio: load on the shared host falls on
-both).
+every variant once, right after an untimed run of itself, in an order shuffled anew every round
+(seeded; `--order alternating` for bench-step's own round-robin, `bench.step._interleaved`): a
+fixed order lets a variant's place in the round bias it. The figure per variant is the median over
+rounds of its time divided by the same round's plain fwd+bwd (a paired ratio: load on the shared
+host falls on both), with a bootstrap 90% interval of that median. "nvme again" is a second
+engine identical to "nvme": how far apart the two read is this run's floor (session 7: 1-2% with
+60 shuffled rounds, up to 6% with 30 alternating ones).
 
   fwd+bwd          the plain model, no engine
   fwd+bwd busy     the same while another process keeps the second core busy (a host effect:
@@ -14,9 +17,11 @@ both).
   nvme no adam     the nvme tier with a kernel that only copies the master out: all the drive traffic
                    and every helper thread, no Adam arithmetic
   nvme             the real step, optimizer state on nvme (what bench-step's `step` times)
+  nvme again       the same, a second engine: the run's noise floor
   cpu              the real step, optimizer state in RAM (no drive traffic)
 
-  python scripts/step_ablation.py [--rounds 30] [--tokens 192] [--nvme-path DIR] [--d-model 512 --layers 8]
+  python scripts/step_ablation.py [--rounds 60] [--tokens 192] [--nvme-path DIR] [--d-model 512 --layers 8]
+                                  [--order shuffled|alternating] [--seed 0]
 
 It patches two engine instances (hooks only, no Adam); it is a diagnostic, not an API.
 """
@@ -25,9 +30,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import tempfile
+import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,7 +77,7 @@ def _engines(args: argparse.Namespace, x: torch.Tensor, root: str) -> dict[str, 
         return bench._engine_step(ns, x, os.path.join(root, name), overlap=True)
 
     out = {"hooks only": make("hooks", "nvme"), "nvme no adam": make("noadam", "nvme"),
-           "nvme": make("nvme", "nvme"), "cpu": make("cpu", "cpu")}
+           "nvme": make("nvme", "nvme"), "nvme again": make("nvme2", "nvme"), "cpu": make("cpu", "cpu")}
     hooks = out["hooks only"][0].runtime  # type: ignore[attr-defined]
     hooks.reducer.sink = lambda bucket, shard: None  # the gradient goes nowhere: no job, no step
     hooks.shard_optimizer.prefetch = lambda: None  # and nothing is read ahead
@@ -89,9 +96,38 @@ def _check_patches(engines: dict[str, tuple[object, Callable[[], None]]]) -> Non
         raise SystemExit("step_ablation: the 'nvme no adam' engine did not run the copy-only kernel")
 
 
+def _shuffled(parts: dict[str, bench._Part], rounds: int, seed: int) -> dict[str, list[float]]:
+    """As bench.step._interleaved (a warm-up of every part, then one timed run of each per round,
+    each right after its untimed setup), with the order drawn anew every round."""
+    rng = random.Random(seed)
+    for part in parts.values():
+        part.setup()
+        part.run()
+        part.settle()
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name in rng.sample(list(parts), len(parts)):
+            parts[name].setup()
+            t0 = time.perf_counter()
+            parts[name].run()
+            times[name].append(time.perf_counter() - t0)
+            parts[name].settle()
+    return times
+
+
+def _interval(ratios: list[float], seed: int, draws: int = 2000) -> tuple[float, float]:
+    """Bootstrap 90% interval of the median of `ratios` (resampled rounds)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[draws // 20], medians[draws - 1 - draws // 20]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--order", choices=("shuffled", "alternating"), default="shuffled",
+                    help="order of the variants within a round (default: shuffled anew every round)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the shuffles and the bootstrap (default 0)")
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--d-model", type=int, default=512, help="as bench-step (default 512)")
     ap.add_argument("--layers", type=int, default=8, help="as bench-step (default 8)")
@@ -122,18 +158,21 @@ def main() -> None:
             access = engine.runtime.shard_optimizer.access  # type: ignore[attr-defined]
             parts[name] = bench._Part(run, setup=run, settle=access.flush)  # the ring emptied after, untimed
         before = bench._cpu_times()
-        times = bench._interleaved(parts, args.rounds)
+        times = (_shuffled(parts, args.rounds, args.seed) if args.order == "shuffled"
+                 else bench._interleaved(parts, args.rounds))
         steal = bench._steal_pct(before, bench._cpu_times())
         _check_patches(engines)
         for engine, _ in engines.values():
             engine.close()  # type: ignore[attr-defined]
     stop.set()
     spinner.join(timeout=5)
-    print(f"step ablation: {args.tokens} rows, {args.rounds} paired rounds, cpu steal {steal or 0.0:.1f}%; "
-          f"allocator: {allocator}")
+    print(f"step ablation: {args.tokens} rows, {args.rounds} paired rounds ({args.order} order), "
+          f"cpu steal {steal or 0.0:.1f}%; allocator: {allocator}")
     for name, ts in times.items():
-        ratio = statistics.median(t / b for t, b in zip(ts, times["fwd+bwd"]))
-        print(f"  {name:14} {statistics.median(ts) * 1e3:7.1f} ms   paired / fwd+bwd {ratio:6.3f}")
+        ratios = [t / b for t, b in zip(ts, times["fwd+bwd"])]
+        lo, hi = _interval(ratios, args.seed)
+        print(f"  {name:14} {statistics.median(ts) * 1e3:7.1f} ms   paired / fwd+bwd {statistics.median(ratios):6.3f}"
+              f"   90% interval {lo:.3f}-{hi:.3f}")
 
 
 if __name__ == "__main__":
