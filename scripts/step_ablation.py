@@ -2,8 +2,8 @@
 
 The measurement behind docs/perf_step.md's "what the step costs beyond fwd+bwd". Each round times
 every variant once, right after an untimed run of itself, in an order shuffled anew every round
-(seeded; `--order alternating` for bench-step's own round-robin, `bench.step._interleaved`): a
-fixed order lets a variant's place in the round bias it. The figure per variant is the median over
+(seeded; `--order alternating` for bench-step's own alternating round-robin; both are
+`bench.step._interleaved`): a fixed order lets a variant's place in the round bias it. The figure per variant is the median over
 rounds of its time divided by the same round's plain fwd+bwd (a paired ratio: load on the shared
 host falls on both), with a bootstrap 90% interval of that median. "nvme again" is a second
 engine identical to "nvme": how far apart the two read is this run's floor (session 7: 1-2% with
@@ -34,7 +34,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,25 +95,6 @@ def _check_patches(engines: dict[str, tuple[object, Callable[[], None]]]) -> Non
         raise SystemExit("step_ablation: the 'nvme no adam' engine did not run the copy-only kernel")
 
 
-def _shuffled(parts: dict[str, bench._Part], rounds: int, seed: int) -> dict[str, list[float]]:
-    """As bench.step._interleaved (a warm-up of every part, then one timed run of each per round,
-    each right after its untimed setup), with the order drawn anew every round."""
-    rng = random.Random(seed)
-    for part in parts.values():
-        part.setup()
-        part.run()
-        part.settle()
-    times: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(rounds):
-        for name in rng.sample(list(parts), len(parts)):
-            parts[name].setup()
-            t0 = time.perf_counter()
-            parts[name].run()
-            times[name].append(time.perf_counter() - t0)
-            parts[name].settle()
-    return times
-
-
 def _interval(ratios: list[float], seed: int, draws: int = 2000) -> tuple[float, float]:
     """Bootstrap 90% interval of the median of `ratios` (resampled rounds)."""
     rng = random.Random(seed)
@@ -158,8 +138,7 @@ def main() -> None:
             access = engine.runtime.shard_optimizer.access  # type: ignore[attr-defined]
             parts[name] = bench._Part(run, setup=run, settle=access.flush)  # the ring emptied after, untimed
         before = bench._cpu_times()
-        times = (_shuffled(parts, args.rounds, args.seed) if args.order == "shuffled"
-                 else bench._interleaved(parts, args.rounds))
+        times = bench._interleaved(parts, args.rounds, args.seed if args.order == "shuffled" else None)
         steal = bench._steal_pct(before, bench._cpu_times())
         _check_patches(engines)
         for engine, _ in engines.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -101,17 +102,24 @@ class _Part:
     settle: Callable[[], None] = _nothing
 
 
-def _interleaved(parts: dict[str, _Part], rounds: int) -> dict[str, list[float]]:
+def _interleaved(parts: dict[str, _Part], rounds: int, shuffle_seed: int | None = None) -> dict[str, list[float]]:
     """Seconds of each part per round, measured round-robin (one of each per round) so that load
     from other processes on a shared machine falls on every part alike. Every other round runs
-    the parts in reverse order, so no part always follows the same neighbour."""
+    the parts in reverse order, so no part always follows the same neighbour; with
+    `shuffle_seed`, every round runs them in an order drawn anew (scripts/step_ablation.py: a
+    fixed order lets a part's place in the round bias it)."""
     for part in parts.values():  # warm-up: allocations, first NVMe slot writes
         part.setup()
         part.run()
         part.settle()
     times: dict[str, list[float]] = {name: [] for name in parts}
+    rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
     for r in range(rounds):
-        for name, part in (parts.items() if r % 2 == 0 else reversed(parts.items())):
+        if rng is not None:
+            order = [(name, parts[name]) for name in rng.sample(list(parts), len(parts))]
+        else:
+            order = list(parts.items() if r % 2 == 0 else reversed(parts.items()))
+        for name, part in order:
             part.setup()
             t0 = time.perf_counter()
             part.run()
