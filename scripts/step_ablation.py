@@ -3,11 +3,11 @@
 The measurement behind docs/perf_step.md's "what the step costs beyond fwd+bwd". Each round times
 every variant once, right after an untimed run of itself, in an order shuffled anew every round
 (seeded; `--order alternating` for bench-step's own alternating round-robin; both are
-`bench.step._interleaved`): a fixed order lets a variant's place in the round bias it. The figure per variant is the median over
-rounds of its time divided by the same round's plain fwd+bwd (a paired ratio: load on the shared
-host falls on both), with a bootstrap 90% interval of that median. "nvme again" is a second
-engine identical to "nvme": how far apart the two read is this run's floor (session 7: 1-2% with
-60 shuffled rounds, up to 6% with 30 alternating ones).
+`bench.step._interleaved`): a fixed order lets a variant's place in the round bias it. The
+figure per variant is the median over rounds of its time divided by the same round's plain
+fwd+bwd (a paired ratio: load on the shared host falls on both), with a bootstrap 90% interval
+of that median. "nvme again" is a second engine identical to "nvme": how far apart the two read
+is this run's floor (session 7: 1-3% with 60 shuffled rounds, up to 6% with 30 alternating ones).
 
   fwd+bwd          the plain model, no engine
   fwd+bwd busy     the same while another process keeps the second core busy (a host effect:
