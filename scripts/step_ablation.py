@@ -12,6 +12,9 @@ is this run's floor (session 7: 1-3% with 60 shuffled rounds, up to 6% with 30 a
   fwd+bwd          the plain model, no engine
   fwd+bwd busy     the same while another process keeps the second core busy (a host effect:
                    on some virtual machines a busy sibling vCPU changes this one's speed)
+  fwd+bwd + io     the same while a plain thread reads and writes every shard's state through an
+                   nvme store and its staging ring (bench-step's nvme part): what the drive
+                   traffic by itself costs the compute on this host, with no engine around it
   hooks only       the engine's forward/backward with its hooks, gradients dropped at the optimizer's
                    door: no Adam, no drive traffic, no helper thread at work
   nvme no adam     the nvme tier with a kernel that only copies the master out: all the drive traffic
@@ -34,6 +37,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,7 +80,8 @@ def _engines(args: argparse.Namespace, x: torch.Tensor, root: str) -> dict[str, 
         return bench._engine_step(ns, x, os.path.join(root, name), overlap=True)
 
     out = {"hooks only": make("hooks", "nvme"), "nvme no adam": make("noadam", "nvme"),
-           "nvme": make("nvme", "nvme"), "nvme again": make("nvme2", "nvme"), "cpu": make("cpu", "cpu")}
+           "nvme": make("nvme", "nvme"), "nvme again": make("nvme2", "nvme"), "cpu": make("cpu", "cpu"),
+           "io": make("io", "nvme")}  # its store only: the drive traffic beside plain fwd+bwd
     hooks = out["hooks only"][0].runtime  # type: ignore[attr-defined]
     hooks.reducer.sink = lambda bucket, shard: None  # the gradient goes nowhere: no job, no step
     hooks.shard_optimizer.prefetch = lambda: None  # and nothing is read ahead
@@ -93,6 +98,36 @@ def _check_patches(engines: dict[str, tuple[object, Callable[[], None]]]) -> Non
     kernel = engines["nvme no adam"][0].runtime.shard_optimizer.pipeline.kernel  # type: ignore[attr-defined]
     if not isinstance(kernel, _CopyOnly) or kernel.calls == 0:
         raise SystemExit("step_ablation: the 'nvme no adam' engine did not run the copy-only kernel")
+
+
+def _beside(plain: Callable[[], None], io: Callable[[], None]) -> bench._Part:
+    """Plain fwd+bwd timed while `io` runs on a thread of its own; the thread is joined untimed
+    (the drive traffic may outlast the compute) and its error, if any, raised there."""
+    running: list[threading.Thread] = []
+    failed: list[BaseException] = []
+
+    def io_catching() -> None:
+        try:
+            io()
+        except BaseException as exc:  # raised on the main thread by join()
+            failed.append(exc)
+
+    def run() -> None:
+        thread = threading.Thread(target=io_catching, name="ablation-io", daemon=True)
+        thread.start()
+        running.append(thread)
+        plain()
+
+    def join() -> None:
+        while running:
+            running.pop().join()
+        if failed:
+            raise RuntimeError("step_ablation: the drive traffic beside fwd+bwd failed") from failed.pop()
+
+    def untimed() -> None:
+        run()
+        join()
+    return bench._Part(run, setup=untimed, settle=join)
 
 
 def _interval(ratios: list[float], seed: int, draws: int = 2000) -> tuple[float, float]:
@@ -132,8 +167,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as root:
         engines = _engines(args, x, root)
+        io_engine, _ = engines.pop("io")
         # Each run timed right after an untimed run of itself, as bench-step times its parts.
-        parts = {"fwd+bwd": bench._Part(plain, setup=plain), "fwd+bwd busy": bench._Part(busy_plain, setup=busy_plain)}
+        parts = {"fwd+bwd": bench._Part(plain, setup=plain), "fwd+bwd busy": bench._Part(busy_plain, setup=busy_plain),
+                 "fwd+bwd + io": _beside(plain, bench._nvme_only(io_engine))}
         for name, (engine, run) in engines.items():
             access = engine.runtime.shard_optimizer.access  # type: ignore[attr-defined]
             parts[name] = bench._Part(run, setup=run, settle=access.flush)  # the ring emptied after, untimed
@@ -141,7 +178,7 @@ def main() -> None:
         times = bench._interleaved(parts, args.rounds, args.seed if args.order == "shuffled" else None)
         steal = bench._steal_pct(before, bench._cpu_times())
         _check_patches(engines)
-        for engine, _ in engines.values():
+        for engine, _ in [*engines.values(), (io_engine, None)]:
             engine.close()  # type: ignore[attr-defined]
     stop.set()
     spinner.join(timeout=5)
