@@ -118,6 +118,24 @@ def test_checksums_detect_one_flipped_byte(io: AIOBackend, tmp_path: Path) -> No
         os.close(fd)
 
 
+def test_requests_that_do_not_fit_their_checksum_table_or_chunk_are_refused(io: AIOBackend, tmp_path: Path) -> None:
+    """Six 64 KiB chunks against a two-entry table: the native workers would write four checksums
+    past its end (a review crashed the process that way); a negative chunk moved no bytes on one
+    backend and was taken as 'whole request' on the other. Both are one-line errors now."""
+    fd = _fd(tmp_path / "f", direct=True)
+    buf = aligned_empty(6 * (64 << 10))
+    table = ChecksumTable(3)
+    try:
+        with pytest.raises(ValueError, match="needs 6 checksums; the checksum table has 2 from entry 1"):
+            io.write(fd, 0, buf, checksums=table.view(1))
+        for chunk in (-4096, 1.5):
+            with pytest.raises(ValueError, match="I/O chunk must be a whole number of bytes > 0"):
+                io.write(fd, 0, buf, chunk=chunk)  # type: ignore[arg-type]
+        io.write(fd, 0, buf[:2 * (64 << 10)], checksums=table.view(1)).wait()  # two chunks: they fit
+    finally:
+        os.close(fd)
+
+
 def test_os_errors_surface_on_the_waiting_side(io: AIOBackend, tmp_path: Path) -> None:
     path = tmp_path / "short"
     path.write_bytes(b"x" * 8192)

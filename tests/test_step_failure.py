@@ -31,3 +31,85 @@ def test_failed_step_raises_then_next_step_runs(tier: str, tmp_path: object, mon
     assert opt.finish_step() is True
     assert torch.allclose(opt.master("s"), torch.full((64,), -0.1), atol=1e-5)  # one Adam step: -lr*sign(g)
     opt.close()
+
+
+def test_close_after_a_failed_write_back_reports_it_and_frees_the_drive(tmp_path: object) -> None:
+    """A write-back that fails on an I/O thread surfaces at close(), and close() still removes
+    the stores' files, so a new engine can use the same nvme path (it used to stay locked)."""
+    import os
+
+    cfg = Config(stage=1, tiers={"optimizer": "nvme", "grads": "cpu"}, nvme_paths=(str(tmp_path),),
+                 optimizer={"lr": 0.1, "weight_decay": 0.0})
+    opt = ShardOptimizer(cfg, torch.device("cpu"), capacity_bytes=1 << 20)
+    opt.add_shard("s", torch.zeros(64))
+    swap = opt.store._swap
+    read_only = os.open(swap.slot("s").path, os.O_RDONLY)
+    real_submit = swap._submit
+
+    def submit(entry: object, write: bool, pos: int, buf: torch.Tensor, length: int, index: int) -> object:
+        if write:  # the drive refuses the write (EBADF on the worker thread), after it was queued
+            return swap.backend.write(read_only, entry.slot.offset + pos, buf, length, chunk=swap.block_size,
+                                      checksums=entry.sums.view(index))
+        return real_submit(entry, write, pos, buf, length, index)
+    swap._submit = submit
+    try:
+        opt.grad_ready("s", torch.ones(64))
+        opt.finish_step()
+        with pytest.raises(Exception, match="Bad file descriptor"):
+            opt.close()
+    finally:
+        os.close(read_only)
+    again = ShardOptimizer(cfg, torch.device("cpu"), capacity_bytes=1 << 20)  # the path is free
+    again.add_shard("s", torch.zeros(64))
+    again.close()
+
+
+def test_a_step_that_fails_part_way_keeps_each_step_count_with_its_state(tmp_path: object,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a failed step stepped before the failure stays stepped, and counts: a shard split into
+    sub-shards whose second part failed goes on from each part's own count (its first part had
+    moved on while the next step bias-corrected the second for step 2 on unmoved moments), and a
+    hand-over that fails still records the shards the worker had stepped (they were dropped)."""
+    cfg = Config(stage=1, tiers={"optimizer": "nvme", "grads": "cpu"}, nvme_paths=(str(tmp_path),),
+                 pinned_budget_bytes=36 * 1024 * 4, optimizer={"lr": 0.1, "weight_decay": 0.0})
+    opt = ShardOptimizer(cfg, torch.device("cpu"), capacity_bytes=1 << 22)
+    opt.add_shard("s", torch.zeros(8192))
+    assert [p.key for p in opt.subshards["s"]] == ["s#0", "s#1"]
+    real, calls = step_mod.HostAdam.__call__, {"n": 0}
+
+    def second_fails_once(self: object, *args: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("simulated kernel failure")
+        real(self, *args)
+    monkeypatch.setattr(step_mod.HostAdam, "__call__", second_fails_once)
+    opt.grad_ready("s", torch.ones(8192))
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        opt.finish_step()
+    assert opt.steps == {"s": 0} and opt.sub_steps == {"s#0": 1, "s#1": 0}
+    opt.grad_ready("s", torch.ones(8192))
+    assert opt.finish_step() is True
+    master = opt.master("s")  # every Adam step here moves by -lr exactly (the gradient's sign)
+    assert torch.allclose(master[:4096], torch.full((4096,), -0.2), atol=1e-5)
+    assert torch.allclose(master[4096:], torch.full((4096,), -0.1), atol=1e-5)
+    assert opt.steps == {"s": 1} and opt.sub_steps == {"s#0": 2, "s#1": 1}
+    opt.close()
+
+    failed = {"n": 1}
+
+    def install(key: str, shard: torch.Tensor, owned: bool) -> None:
+        if failed["n"]:
+            failed["n"] -= 1
+            raise MemoryError(f"no room to install {key}")
+    cfg = Config(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 0.1, "weight_decay": 0.0})
+    opt = ShardOptimizer(cfg, torch.device("cpu"), on_updated=install, capacity_bytes=1 << 22)
+    keys = [f"k{i}" for i in range(4)]
+    for k in keys:
+        opt.add_shard(k, torch.zeros(4096))
+        opt.grad_ready(k, torch.ones(4096))
+    with pytest.raises(RuntimeError, match="the optimizer step failed: no room to install k0"):
+        opt.finish_step()
+    for k in keys:  # stepped or not, each shard's count says which
+        assert torch.allclose(opt.master(k), torch.full((4096,), -0.1 * opt.steps[k]), atol=1e-5), (k, opt.steps)
+    assert opt.steps["k0"] == 1
+    opt.close()

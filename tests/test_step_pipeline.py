@@ -65,19 +65,37 @@ def test_drain_hands_over_each_job_before_the_last_one_is_stepped() -> None:
     assert seen == ["s0", "s1", "s2"] and [j.key for j in done] == seen
 
 
-def test_a_failing_handler_waits_for_the_jobs_in_flight_and_the_next_drain_starts_clean() -> None:
-    sizes = [8, 16]
-    kernel = _GatedKernel(gated=16)  # s1 is stepped only once the handler has seen s0
+def test_a_failing_handler_stops_the_step_but_every_stepped_job_is_handed_over() -> None:
+    """A handler that fails (installing s0, say) fails the step: the worker skips what it has not
+    begun, and every job it did step is still handed over (its state has moved on, its step count
+    must follow: a review found them dropped), then the first error is raised as the step's."""
+    sizes = [8, 16, 24]
+    kernel = _GatedKernel(gated=16)  # s1, if the worker has begun it, ends only after the failure
+    seen: list[str] = []
 
     def fail(job: Job) -> None:
-        kernel.gate.set()
+        seen.append(job.key)
         raise ValueError(f"handler refused {job.key}")
     pipe = _pipeline(kernel, sizes)
+
+    def open_after_the_failure() -> None:
+        for _ in range(int(WAIT_S / 0.001)):
+            if pipe._error is not None:
+                break
+            threading.Event().wait(0.001)
+        kernel.gate.set()
+    opener = threading.Thread(target=open_after_the_failure)
+    opener.start()
     for job in _jobs(sizes):
         pipe.submit(job)
-    with pytest.raises(ValueError, match="handler refused s0"):
+    with pytest.raises(RuntimeError, match="the optimizer step failed: handler refused s0") as info:
         pipe.drain(fail)
-    assert kernel.opened is True and pipe._finished == 2  # s1 was stepped before drain() gave up
+    opener.join()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert pipe._finished == 3  # nothing left in flight
+    stepped = [f"s{i}" for i in range(len(sizes)) if pipe.access.store.view(f"s{i}")[0] != 0]
+    assert stepped[0] == "s0" and seen == stepped  # s1 when the worker had begun it
+    assert "s2" not in stepped  # begun after the failure: skipped
     assert pipe.drain() == []  # nothing of the failed drain is handed over again
     pipe.submit(_jobs(sizes)[0])
     assert [j.key for j in pipe.drain()] == ["s0"]

@@ -148,6 +148,43 @@ def test_corruption_is_an_error_naming_file_offset_and_shard(kind: str, tmp_path
             st.read("shard-7", dst).wait()
 
 
+@pytest.mark.parametrize("where", ["tail page", "bounced block"])
+def test_a_write_that_fails_part_way_leaves_nothing_readable(kind: str, tmp_path: Path, where: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first blocks of a write land, a later one is never submitted: every block's checksum
+    matches whichever version is on the drive, so a read would return old and new bytes mixed
+    without a word (a review's finding). The slot now reads as failed until it is written again."""
+    with _store([tmp_path], kind) as st:
+        slot = st.register("k", 3 * 65536 + 100)
+        st.write("k", torch.full((slot.nbytes,), 1, dtype=torch.uint8)).wait()
+        new = torch.full((slot.nbytes + 1,), 2, dtype=torch.uint8)
+        if where == "tail page":
+            src = st.alloc_buffer(slot.nbytes).copy_(new[1:])  # aligned: the body goes straight out
+
+            def no_page(nbytes: int, **kw: Any) -> torch.Tensor:
+                raise MemoryError("no page for the tail")
+            monkeypatch.setattr(swap, "aligned_empty", no_page)
+        else:  # unaligned: bounced block by block; the third submission fails
+            real, calls = st._submit, [0]
+
+            def third_fails(*args: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise OSError(5, "the drive refused a block")
+                return real(*args)
+            monkeypatch.setattr(st, "_submit", third_fails)
+            src = new[1:]
+        with pytest.raises((MemoryError, SwapError)):
+            st.write("k", src).wait()
+        monkeypatch.undo()
+        out = st.alloc_buffer(slot.nbytes)
+        with pytest.raises(SwapError, match="shard 'k': its last write failed .*nothing valid to read"):
+            st.read("k", out).wait()
+        st.write("k", torch.full((slot.nbytes,), 3, dtype=torch.uint8)).wait()  # a whole write makes it good
+        st.read("k", out).wait()
+        assert bool((out == 3).all())
+
+
 def test_missing_path_file_path_and_space_errors(tmp_path: Path) -> None:
     with pytest.raises(SwapError, match=rf"nvme path '{tmp_path}/nope' does not exist"):
         _store([tmp_path / "nope"])

@@ -42,6 +42,10 @@ class Accumulator:
         self._partial.add(key)
         return None
 
+    def reset(self) -> None:
+        """Forget every partial sum (a checkpoint load starts a fresh cycle); buffers stay for reuse."""
+        self._partial.clear()
+
     def _load(self, key: str) -> torch.Tensor:
         """Key's partial sum: the store's tensor itself on a resident tier, else read back."""
         view = self.store.view(key)

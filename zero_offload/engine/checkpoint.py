@@ -12,7 +12,17 @@ Layout of a checkpoint directory:
                          listed in rank{r}.json's frozen_map and resharded the same way
   rank{r}.rng.pt         that rank's RNG states (restored only when the world size is unchanged)
   model.pt               buffers and frozen parameters that live in the module itself
-All .pt files hold plain tensors only and are read with torch.load(weights_only=True).
+All .pt files hold plain tensors only and are read with torch.load(weights_only=True); the
+manifest also holds the CRC32 of every rank{r}.json.
+
+Saving happens only at a gradient-accumulation boundary (partial gradient sums are not part of a
+checkpoint), so a load starts a fresh cycle and may change gradient_accumulation_steps.
+
+Loading checks everything it can before it changes anything: the manifest and shard maps, the
+shapes of trainable and frozen parameters, model.pt's names, shapes and dtypes, the RNG file, and
+that the saved pieces cover every element. Only a shard file whose bytes fail their checksum is
+found while shards are being written; the engine then refuses to train or save until a load
+succeeds (its state is partly overwritten), rather than going on with a mixture.
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
 `<path>` aside to `<path>.old`, renames the new one into place, fsyncs the parent and deletes the
@@ -91,6 +101,7 @@ def save(engine: "Engine", path: str) -> None:
     """Write `engine`'s whole training state to `path` atomically (a collective)."""
     rt, opt = engine.runtime, engine.runtime.shard_optimizer
     path = os.path.abspath(path)
+    _check_target(path)  # on every rank (a shared file system): all raise alike, before any collective
     tmp, rank = path + ".tmp", comm.rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,21 +131,39 @@ def save(engine: "Engine", path: str) -> None:
     comm.barrier()
 
 
+def _check_target(path: str) -> None:
+    """Saving replaces `path` as a whole: refuse when it holds anything but a checkpoint."""
+    if os.path.isfile(path):
+        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a file")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")):
+        raise CheckpointError(f"cannot save a checkpoint to {path}: the directory holds files and no manifest.json "
+                              "(not a checkpoint); saving would replace it")
+
+
 def _finish(engine: "Engine", tmp: str, path: str) -> None:
     """Rank 0: the manifest (with every rank's checksums), then the atomic swap into `path`."""
     rt = engine.runtime
     files = {"model.pt": _save_tensors(_non_trainable(engine), os.path.join(tmp, "model.pt"))}
     writers = [0] if rt.replicated else list(range(comm.world_size()))
+    maps = {}
     for r in writers:
-        with open(os.path.join(tmp, f"rank{r}.json")) as f:
-            files.update(json.load(f)["files"])
+        name = f"rank{r}.json"
+        with open(os.path.join(tmp, name), "rb") as f:
+            raw = f.read()
+        maps[name] = zlib.crc32(raw)
+        files.update(json.loads(raw)["files"])
+    for r in range(comm.world_size()):  # every rank wrote its RNG states
+        name = f"rank{r}.rng.pt"
+        rng = torch.load(os.path.join(tmp, name), map_location="cpu", weights_only=True)
+        files[name] = {k: _describe(v) for k, v in rng.items()}
     sd = rt.shard_optimizer.state_dict_scalars()
     manifest = {"format": FORMAT, "world": comm.world_size(), "stage": engine.config.stage,
                 "precision": engine.config.precision.dtype, "writers": writers,
                 "micro_step": engine.micro_step, "global_steps": engine.global_steps,
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
-                "files": files}
+                "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
+                "maps": maps, "files": files}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
     _fsync_file(tmp)
     old = path + ".old"
@@ -154,6 +183,18 @@ def _resolve(path: str) -> str:
     raise CheckpointError(f"no checkpoint at {path}: manifest.json is missing")
 
 
+def _read_json(path: str, crc32: int | None = None) -> Any:
+    """A checkpoint's JSON file, its checksum checked when the manifest holds one."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if crc32 is not None and zlib.crc32(raw) != crc32:
+            raise CheckpointError(f"checkpoint file {path} fails its checksum")
+        return json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
+
+
 class _Reader:
     """Reads tensor files of one checkpoint lazily, checking each against the manifest."""
 
@@ -170,99 +211,134 @@ class _Reader:
             except Exception as exc:
                 raise CheckpointError(f"cannot read checkpoint file {full}: {exc}") from None
             for k, meta in self.files[name].items():
-                if k not in data or _crc(data[k]) != meta["crc32"] or list(data[k].shape) != meta["shape"]:
-                    raise CheckpointError(f"checkpoint file {full}: tensor {k!r} is missing or fails its checksum")
+                t = data.get(k) if isinstance(data, dict) else None
+                if not isinstance(t, torch.Tensor) or _describe(t) != meta:
+                    raise CheckpointError(f"checkpoint file {full}: tensor {k!r} is missing, or its shape, dtype "
+                                          "or checksum differs from the manifest")
             self._cache = {name: data}  # one shard file in memory at a time
         return self._cache[name]
 
 
+def _check_shapes(root: str, what: str, current: dict[str, Any], saved: dict[str, Any]) -> None:
+    now = {k: tuple(v) for k, v in current.items()}
+    then = {k: tuple(v) for k, v in saved.items()}
+    if now != then:
+        diff = sorted(set(now.items()) ^ set(then.items()))[:3]
+        raise CheckpointError(f"checkpoint {root} does not match the model's {what}: {diff}")
+
+
 def load(engine: "Engine", path: str) -> None:
-    """Restore `engine` from `path`, which may come from another world size or tier config."""
+    """Restore `engine` from `path`, which may come from another world size or tier config.
+    Everything is checked before anything changes (see the module docstring)."""
     rt, opt = engine.runtime, engine.runtime.shard_optimizer
     root = _resolve(path)
-    with open(os.path.join(root, "manifest.json")) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {root} has format {manifest.get('format')}, expected {FORMAT}")
-    shapes = {k: tuple(v) for k, v in rt.param_shapes().items()}
-    saved = {k: tuple(v) for k, v in manifest["param_shapes"].items()}
-    if shapes != saved:
-        diff = sorted(set(shapes.items()) ^ set(saved.items()))[:3]
-        raise CheckpointError(f"checkpoint {root} does not match the model's trainable parameters: {diff}")
+    manifest = _read_json(os.path.join(root, "manifest.json"))
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {root} has format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None}, expected {FORMAT}")
+    _check_shapes(root, "trainable parameters", rt.param_shapes(), manifest["param_shapes"])
+    if "frozen_shapes" in manifest:  # older checkpoints: stage-3 frozen shards stay as initialized
+        _check_shapes(root, "frozen parameters", rt.frozen_shapes(), manifest["frozen_shapes"])
     reader = _Reader(root, manifest)
-    index = _old_pieces(root, manifest["writers"])
-    for key, pieces in rt.shard_map().items():
-        parts = {part: torch.zeros(opt.numel[key], dtype=torch.float32) for part in PARTS}
-        for part, out in parts.items():
-            for name, poff, soff, n in pieces:
-                _fill(out, soff, name, poff, n, index, reader, part)
-        opt.write_state(key, parts)
-    _load_frozen(engine, root, manifest, reader)
-    _load_non_trainable(engine, reader.get("model.pt"))
+    maps = _read_maps(root, manifest)
+    shards = _plan(maps, "shard_map", rt.shard_map())
+    frozen = _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {}
+    non_trainable = _checked_non_trainable(engine, reader.get("model.pt"), root)
     same_world = manifest["world"] == comm.world_size()
-    opt.load_scalars(manifest["optimizer"], same_layout=same_world)
-    engine.micro_step, engine.global_steps = manifest["micro_step"], manifest["global_steps"]
-    rng_file = os.path.join(root, f"rank{comm.rank()}.rng.pt")
-    if same_world and os.path.exists(rng_file):
-        rng = torch.load(rng_file, weights_only=True)
+    rng = _rng(reader, manifest) if same_world else None
+    engine.load_failed = "a load is in progress"  # cleared below: a failure from here on leaves a mixture
+    for key, pieces in shards.items():
+        parts = {part: torch.zeros(opt.numel[key], dtype=torch.float32) for part in PARTS}
+        _fill(parts, pieces, reader)
+        opt.write_state(key, parts)
+    for key, pieces in frozen.items():
+        out = rt.read_frozen(key).clone()  # the shard's size, dtype and padding; every piece is overwritten
+        _fill({"value": out}, pieces, reader)
+        rt.write_frozen(key, out)
+    with torch.no_grad():
+        for t, saved in non_trainable:
+            t.copy_(saved)
+    # fp16's loss scaler state means nothing to another precision, nor to a static scale
+    opt.load_scalars(manifest["optimizer"], same_layout=same_world,
+                     scaler=manifest["precision"] == "fp16" and opt.scaler.dynamic)
+    rt.accumulator.reset()  # saved at a boundary: this engine's partial sums are not the checkpoint's
+    engine.global_steps = manifest["global_steps"]
+    engine.micro_step = engine.global_steps * engine.config.gradient_accumulation_steps  # a fresh cycle
+    if rng is not None:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"], engine.device)
     rt.refresh_params()
+    engine.load_failed = None
     comm.barrier()
 
 
-def _load_frozen(engine: "Engine", root: str, manifest: dict[str, Any], reader: _Reader) -> None:
-    """Stage-3 frozen groups: their shards, resharded like the optimizer's. A checkpoint written
-    before frozen shards were saved has no frozen_shapes: their values stay as initialized."""
-    rt = engine.runtime
-    if "frozen_shapes" not in manifest:
-        return
-    shapes = {k: tuple(v) for k, v in rt.frozen_shapes().items()}
-    saved = {k: tuple(v) for k, v in manifest["frozen_shapes"].items()}
-    if shapes != saved:
-        diff = sorted(set(shapes.items()) ^ set(saved.items()))[:3]
-        raise CheckpointError(f"checkpoint {root} does not match the model's frozen parameters: {diff}")
-    index = _old_pieces(root, manifest["writers"], "frozen_map")
-    for key, pieces in rt.frozen_map().items():
-        out = rt.read_frozen(key).clone()  # the shard's size, dtype and padding; every piece is overwritten
-        for name, poff, soff, n in pieces:
-            _fill(out, soff, name, poff, n, index, reader, "value")
-        rt.write_frozen(key, out)
+def _read_maps(root: str, manifest: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Every writer's rank{r}.json (checksummed by the manifest since it recorded them)."""
+    crcs = manifest.get("maps", {})
+    return {r: _read_json(os.path.join(root, f"rank{r}.json"), crcs.get(f"rank{r}.json")) for r in manifest["writers"]}
 
 
-def _old_pieces(root: str, writers: list[int], which: str = "shard_map") -> dict[str, list[tuple[str, int, int, int]]]:
-    """param name -> [(shard file, param_offset, shard_offset, numel)] over every saved shard."""
-    index: dict[str, list[tuple[str, int, int, int]]] = {}
-    for r in writers:
-        with open(os.path.join(root, f"rank{r}.json")) as f:
-            shard_map = json.load(f).get(which, {})
-        for key, pieces in shard_map.items():
+def _plan(maps: dict[int, dict[str, Any]], which: str,
+          current: dict[str, list[tuple[str, int, int, int]]]) -> dict[str, list[tuple[str, int, int, int]]]:
+    """For each of this engine's shard keys, the (file, source offset, shard offset, numel) copies
+    that fill it, checked to cover every element of every piece before anything is read."""
+    index: dict[str, list[tuple[str, int, int, int]]] = {}  # param name -> saved (file, param off, shard off, n)
+    for r, m in maps.items():
+        for key, pieces in m.get(which, {}).items():
             for name, poff, soff, n in pieces:
                 index.setdefault(name, []).append((f"rank{r}.{key}.pt", poff, soff, n))
-    return index
+    plan: dict[str, list[tuple[str, int, int, int]]] = {}
+    for key, pieces in current.items():
+        copies = plan.setdefault(key, [])
+        for name, poff, soff, n in pieces:
+            covered = 0
+            for fname, opoff, osoff, on in index.get(name, []):
+                lo, hi = max(poff, opoff), min(poff + n, opoff + on)
+                if lo < hi:
+                    copies.append((fname, osoff + lo - opoff, soff + lo - poff, hi - lo))
+                    covered += hi - lo
+            if covered != n:
+                raise CheckpointError(f"checkpoint holds {covered} of {n} elements of {name!r} ({which})")
+    return plan
 
 
-def _fill(out: torch.Tensor, soff: int, name: str, poff: int, n: int,
-          index: dict[str, list[tuple[str, int, int, int]]], reader: _Reader, part: str) -> None:
-    """Copy elements [poff, poff+n) of parameter `name` from the saved shards into out[soff:]."""
-    covered = 0
-    for fname, opoff, osoff, on in index.get(name, []):
-        lo, hi = max(poff, opoff), min(poff + n, opoff + on)
-        if lo < hi:
-            src = reader.get(fname)[part]
-            out[soff + lo - poff: soff + hi - poff].copy_(src[osoff + lo - opoff: osoff + hi - opoff])
-            covered += hi - lo
-    if covered != n:
-        raise CheckpointError(f"checkpoint holds {covered} of {n} elements of {name!r} ({part})")
+def _fill(outs: dict[str, torch.Tensor], copies: list[tuple[str, int, int, int]], reader: _Reader) -> None:
+    """Every part of one shard from its copies, each saved file read once per run of copies."""
+    for fname, src_off, dst_off, n in copies:
+        data = reader.get(fname)
+        for part, out in outs.items():
+            src = data[part]
+            if src_off + n > src.numel():
+                raise CheckpointError(f"checkpoint file {os.path.join(reader.root, fname)}: tensor {part!r} holds "
+                                      f"{src.numel()} elements, the shard map reads up to {src_off + n}")
+            out[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
 
 
-def _load_non_trainable(engine: "Engine", tensors: dict[str, torch.Tensor]) -> None:
+def _checked_non_trainable(engine: "Engine", saved: dict[str, torch.Tensor],
+                           root: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(module tensor, saved value) for every buffer and module-held frozen parameter, after
+    checking that model.pt holds exactly these names with the same shapes, and the same dtype
+    (a floating-point one may come from another float precision)."""
     current = _non_trainable(engine)
-    with torch.no_grad():
-        for k, t in current.items():
-            if k in tensors:
-                t.copy_(tensors[k])
+    if set(saved) != set(current):
+        diff = sorted(set(saved) ^ set(current))[:3]
+        raise CheckpointError(f"checkpoint {root}: model.pt's buffers and frozen parameters differ from the model's: {diff}")
+    pairs = []
+    for k, t in current.items():
+        v = saved[k]
+        same_kind = v.dtype == t.dtype or (v.dtype.is_floating_point and t.dtype.is_floating_point)
+        if v.shape != t.shape or not same_kind:
+            raise CheckpointError(f"checkpoint {root}: model.pt's {k!r} is {v.dtype} {tuple(v.shape)}, "
+                                  f"the model's is {t.dtype} {tuple(t.shape)}")
+        pairs.append((t, v))
+    return pairs
+
+
+def _rng(reader: _Reader, manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """This rank's RNG states; None for a checkpoint written before they were checksummed."""
+    name = f"rank{comm.rank()}.rng.pt"
+    return reader.get(name) if name in manifest["files"] else None
 
 
 def _trainable_names(engine: "Engine") -> set[str]:

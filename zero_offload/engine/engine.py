@@ -75,6 +75,7 @@ class Engine:
         self.phase = PhaseMachine()
         self.micro_step = 0
         self.global_steps = 0
+        self.load_failed: str | None = None  # why the last load_checkpoint stopped part way, if it did
         if config.stage == 3:
             # The runtime materializes (meta models) and places the model unit by unit and
             # broadcasts rank 0's initial values itself: moving the whole model to the device
@@ -112,6 +113,7 @@ class Engine:
         return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_loaded("forward")
         if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
             self.runtime.begin_forward(self.is_boundary)
         self.phase.start_forward()
@@ -124,6 +126,7 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        self._require_loaded("backward")
         self.phase.start_backward()
         scale = self.runtime.shard_optimizer.scaler.scale
         self.runtime.begin_backward(self.is_boundary)
@@ -134,6 +137,7 @@ class Engine:
 
     def step(self) -> bool:
         """At the accumulation boundary apply the update (False if skipped for overflow); clears grads."""
+        self._require_loaded("step")
         self.phase.start_step()
         applied = False
         try:
@@ -162,20 +166,40 @@ class Engine:
         from zero_offload.engine.checkpoint import save
 
         self._require_idle("save_checkpoint")
+        self._require_loaded("save_checkpoint")
+        gas = self.config.gradient_accumulation_steps
+        if self.micro_step % gas:
+            raise EngineStateError(f"engine.save_checkpoint after micro-batch {self.micro_step % gas} of {gas} of a "
+                                   "gradient-accumulation cycle: partial gradient sums are not saved; save after the "
+                                   "step that ends the cycle")
         save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
+        """Restore the training state saved at `path`. If it fails once it has begun changing the
+        engine (a shard file fails its checksum), the engine refuses to train or save until a load
+        succeeds; every other problem is found before anything changes."""
         from zero_offload.engine.checkpoint import load
 
         self._require_idle("load_checkpoint")
-        load(self, path)
+        try:
+            load(self, path)
+        except BaseException as exc:
+            if self.load_failed is not None:
+                self.load_failed = f"{type(exc).__name__}: {exc}"
+            raise
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.
         A collective: every rank must call it."""
         from zero_offload.engine.checkpoint import consolidated_state_dict
 
+        self._require_loaded("consolidated_state_dict")
         return consolidated_state_dict(self)
+
+    def _require_loaded(self, call: str) -> None:
+        if self.load_failed is not None:
+            raise EngineStateError(f"engine.{call}: the last load_checkpoint stopped part way ({self.load_failed}) "
+                                   "and left the state partly overwritten; load a checkpoint that loads")
 
     def _require_idle(self, call: str) -> None:
         if self.phase.phase not in (Phase.IDLE, Phase.FORWARD):

@@ -175,5 +175,7 @@ class BucketRuntime:
 
     def close(self) -> None:
         self.reducer.remove()
-        self.shard_optimizer.close()
-        self.accumulator.close()
+        try:
+            self.shard_optimizer.close()
+        finally:  # the files go even when a last write failed
+            self.accumulator.close()

@@ -20,6 +20,7 @@ copy of the optimizer state (12 B/param) or an inexact inverse update; we chose 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -89,6 +90,9 @@ class ShardOptimizer:
         self._assembly = Assembly()
         self.decay: dict[str, bool] = {}
         self.steps: dict[str, int] = {}
+        # Adam steps each sub-shard has taken. They differ from their shard's (the least of them)
+        # only after a step failed part way through a split shard: each part goes on from its own.
+        self.sub_steps: dict[str, int] = {}
         self.order: list[str] = []  # gradient-arrival order of the last step (predicts prefetches)
         self._arrived: list[str] = []
         self._held: set[str] = set()
@@ -115,6 +119,7 @@ class ShardOptimizer:
             state[:sub.numel].copy_(flat[sub.lo:sub.hi])
             self.store.write(sub.key, state).wait()
             self._subshard[sub.key] = sub
+            self.sub_steps[sub.key] = 0
             self.access.add(sub.numel)
         self.order.append(key)
 
@@ -159,7 +164,9 @@ class ShardOptimizer:
     def _completed(self, job: Job) -> None:
         """A job of this step is done (on the caller's thread, while the worker steps the rest):
         its shard's step count, and `on_updated` once the whole shard is."""
-        self.steps[self._subshard[job.key].owner] = job.scalars.step
+        owner = self._subshard[job.key].owner
+        self.sub_steps[job.key] = job.scalars.step
+        self.steps[owner] = min(self.sub_steps[sub.key] for sub in self.subshards[owner])
         if self.on_updated is not None and not self.stream_updates:
             done = self._updated(job)
             if done is not None:
@@ -193,7 +200,8 @@ class ShardOptimizer:
         full = self._assembly.begin(key, self.numel[key], len(subs), self.compute_dtype)
         load = _shared(grad)
         for p in subs:
-            self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), scalars, ready, into=full[p.lo:p.hi]))
+            own = replace(scalars, step=self.sub_steps[p.key] + 1)
+            self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), own, ready, into=full[p.lo:p.hi]))
 
     def _updated(self, job: Job) -> tuple[str, torch.Tensor, bool] | None:
         """(shard, updated compute copy, owned) once `job` completes its shard, else None."""
@@ -303,17 +311,20 @@ class ShardOptimizer:
             self.write_state(key, parts)
         self.load_scalars(sd)
 
-    def load_scalars(self, sd: dict, *, same_layout: bool = True) -> None:
+    def load_scalars(self, sd: dict, *, same_layout: bool = True, scaler: bool = True) -> None:
         """Everything but the tensors. With another layout (world size, buckets) the shard keys
-        differ; every shard then takes the largest saved step count (they are equal in practice)."""
+        differ; every shard then takes the largest saved step count (they are equal in practice).
+        `scaler=False` keeps this optimizer's own loss scaler (the saved one is another precision's)."""
         if same_layout and set(sd["steps"]) == set(self.steps):
             self.steps.update({k: int(v) for k, v in sd["steps"].items()})
         else:
             top = max((int(v) for v in sd["steps"].values()), default=0)
             self.steps = {k: top for k in self.steps}
+        self.sub_steps = {sub.key: self.steps[key] for key, subs in self.subshards.items() for sub in subs}
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
-        self.scaler.load_state_dict(sd["scaler"])
+        if scaler:
+            self.scaler.load_state_dict(sd["scaler"])
         self.skipped_steps = int(sd.get("skipped_steps", 0))
 
     def _groups(self) -> list[dict]:
@@ -330,9 +341,15 @@ class ShardOptimizer:
         return self.store.bytes_retained() - 12 * sum(self.numel.values())
 
     def close(self) -> None:
-        self.pipeline.close()
-        self.store.close()
-        self.grad_store.close()
+        """Every store is closed (its files removed, its drive path freed) even when the
+        pipeline reports a failed write-back; that error is still raised."""
+        try:
+            self.pipeline.close()
+        finally:
+            try:
+                self.store.close()
+            finally:
+                self.grad_store.close()
 
 
 def _shared(grad: torch.Tensor | Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

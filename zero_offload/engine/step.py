@@ -266,8 +266,11 @@ class StepPipeline:
     def _take_done(self, each: Callable[[Job], None] | None) -> None:
         """Hand each finished job to `each` as it finishes, until every submitted one has or one
         failed. After a failure every job that finished before it is handed over, whatever the
-        timing: the worker steps in order and skips the jobs after a failed one."""
-        taken = 0
+        timing: the worker steps in order and skips the jobs after a failed one. When `each`
+        itself fails, the worker is stopped the same way (the jobs not yet begun keep their
+        state and step count), every job it did step is still handed over (their state has
+        moved on: their step counts must follow), and the first error is raised."""
+        taken, failure = 0, None
         while True:
             with self._idle:
                 while taken == len(self.done) and self._finished < self._submitted and self._error is None:
@@ -275,10 +278,25 @@ class StepPipeline:
                 batch = self.done[taken:]
                 last = self._finished >= self._submitted or self._error is not None
             taken += len(batch)
-            for job in batch if each is not None else ():
-                each(job)
+            failure = self._hand_over(batch, each, failure)
             if last:
-                return
+                break
+        self._wait_idle()  # the job in flight when `each` failed
+        failure = self._hand_over(self.done[taken:], each, failure)
+        if failure is not None:
+            raise failure
+
+    def _hand_over(self, jobs: list[Job], each: Callable[[Job], None] | None,
+                   failure: BaseException | None) -> BaseException | None:
+        for job in jobs if each is not None else ():
+            try:
+                each(job)
+            except BaseException as exc:
+                if failure is None:
+                    failure = exc
+                    with self._idle:
+                        self._error = self._error or exc  # the worker skips what it has not begun
+        return failure
 
     def close(self) -> None:
         """Stop the worker first (it may still touch the staging ring), then the ring's transfers and thread."""

@@ -177,9 +177,17 @@ class AIOBackend(ABC):
         if length < 0 or length > nbytes or offset < 0:
             raise ValueError(f"I/O request of {length} bytes at offset {offset} does not fit a "
                              f"{nbytes}-byte buffer")
+        chunk = self.block_size if chunk is None or chunk == 0 else chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"I/O chunk must be a whole number of bytes > 0, got {chunk!r}")
         if length == 0:
             return DoneFuture()
-        return self._start(write, file, offset, addr, length, chunk or self.block_size, checksums, keep)
+        chunks = -(-length // chunk)
+        if checksums is not None and chunks > checksums.count:
+            # the native workers write one checksum per chunk: past the table's end is someone else's memory
+            raise ValueError(f"I/O request of {length} bytes in {chunk}-byte chunks needs {chunks} checksums; "
+                             f"the checksum table has {checksums.count} from entry {checksums.start}")
+        return self._start(write, file, offset, addr, length, chunk, checksums, keep)
 
     @abstractmethod
     def _start(self, write: bool, file: FileRef, offset: int, addr: int, length: int, chunk: int,

@@ -64,6 +64,11 @@ class ChecksumView:
     def address(self) -> int:
         return self.table.address(self.start)
 
+    @property
+    def count(self) -> int:
+        """Entries from `start` to the table's end: the most chunks one request may have."""
+        return max(self.table.count - self.start, 0)
+
     def get(self, i: int) -> int:
         return int(self.table.array[self.start + i])
 

@@ -57,6 +57,9 @@ class _Entry:
         self.body_blocks = -(-self.body // block)
         self.sums = ChecksumTable(self.body_blocks + (1 if self.tail else 0))
         self.written = False
+        # Why the last write failed, if it did: some blocks may hold the new bytes and some the
+        # old, each with a matching checksum, so reading the slot back would pass unnoticed.
+        self.write_error: str | None = None
 
     def blocks(self) -> Iterator[tuple[int, int, int]]:
         """(offset in slot, bytes of data, index) per block; every block but a tail is whole pages."""
@@ -184,8 +187,12 @@ class SwapStore:
         """Start writing `src` (exactly the slot's bytes) into slot `key`; keep `src` alive until wait()."""
         e = self._entry(key)
         data = _byte_view(src, e.slot, "write")
-        e.written = True
-        return self._transfer(e, data, write=True)
+        e.written, e.write_error = True, None
+        try:
+            return self._transfer(e, data, write=True)
+        except BaseException as exc:
+            e.write_error = str(exc) or type(exc).__name__
+            raise
 
     def read(self, key: str, dst: torch.Tensor) -> IOFuture:
         """Start reading slot `key` into `dst`; wait() returns once every block's checksum matched."""
@@ -193,6 +200,9 @@ class SwapStore:
         data = _byte_view(dst, e.slot, "read")
         if not e.written:
             raise ValueError(f"shard {key!r} was never written to the swap store, nothing to read")
+        if e.write_error is not None:
+            raise SwapError(errno.EIO, f"shard {key!r}: its last write failed ({e.write_error}); "
+                                       "nothing valid to read until it is written again")
         return self._transfer(e, data, write=False)
 
     def _transfer(self, e: _Entry, data: torch.Tensor, *, write: bool) -> IOFuture:
@@ -211,17 +221,29 @@ class SwapStore:
 
     def _direct(self, e: _Entry, data: torch.Tensor, write: bool) -> IOFuture:
         """Body straight from/to `data`; a ragged tail through a private padded page."""
-        parts, then = [], None
-        if e.body:
-            parts.append(self._submit(e, write, 0, data[:e.body], e.body, 0))
-        if e.tail:
-            page = aligned_empty(ALIGN)
+        parts: list[IOFuture] = []
+        then = None
+        try:
+            if e.body:
+                parts.append(self._submit(e, write, 0, data[:e.body], e.body, 0))
+            if e.tail:
+                page = aligned_empty(ALIGN)
+                if write:
+                    page.zero_()[:e.tail].copy_(data[e.body:])
+                else:
+                    then = _copier(data[e.body:], page[:e.tail])
+                parts.append(self._submit(e, write, e.body, page, ALIGN, e.body_blocks))
+        except BaseException:
+            for part in parts:  # submitted parts still run: let them end before the caller reuses `data`
+                _quiet_wait(part)
+            raise
+
+        def translate(exc: BaseException) -> BaseException:
+            err = _translate(e.slot, exc)
             if write:
-                page.zero_()[:e.tail].copy_(data[e.body:])
-            else:
-                then = _copier(data[e.body:], page[:e.tail])
-            parts.append(self._submit(e, write, e.body, page, ALIGN, e.body_blocks))
-        return ChainedFuture(parts, then, translate=lambda exc: _translate(e.slot, exc))
+                e.write_error = str(err)
+            return err
+        return ChainedFuture(parts, then, translate=translate)
 
     def _bounced(self, e: _Entry, data: torch.Tensor, write: bool) -> None:
         """Runs on a helper thread: each block through a pooled aligned buffer, a few in flight."""
@@ -244,7 +266,10 @@ class SwapStore:
             while inflight:
                 self._retire(inflight.popleft(), data, write)
         except Exception as exc:
-            raise _translate(e.slot, exc) from None
+            err = _translate(e.slot, exc)
+            if write:
+                e.write_error = str(err)
+            raise err from None
         finally:
             for fut, buf, _, _ in inflight:  # after a failure: buffers are reusable once I/O ends
                 _quiet_wait(fut)

@@ -1,0 +1,180 @@
+"""What a load checks before it changes anything, and what it does when it cannot: a review
+found loads that silently took a mismatched or corrupted checkpoint, or stopped half way."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zero_offload
+from zero_offload.engine.checkpoint import CheckpointError
+from zero_offload.engine.engine import Engine, EngineStateError
+from _engine_model import batch, make_model
+
+
+def _engine(model: nn.Module | None = None, **cfg: object) -> Engine:
+    base: dict = dict(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"}, bucket_bytes=4096)
+    base.update(cfg)
+    return zero_offload.initialize(model if model is not None else make_model(), base)
+
+
+def _train(engine: Engine, steps: range, rows: int = 2) -> list[bool]:
+    applied = []
+    for s in steps:
+        x, y = batch(s, rows)
+        engine.backward(engine(x, y))
+        applied.append(engine.step())
+    return applied
+
+
+def _weights(engine: Engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _flip_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_a_corrupt_shard_stops_the_engine_until_a_load_succeeds(tmp_path: object) -> None:
+    src = _engine()
+    _train(src, range(3))
+    src.save_checkpoint(str(tmp_path / "good"))
+    src.save_checkpoint(str(tmp_path / "bad"))
+    expected = _weights(src)
+    _train(src, range(3, 5))
+    continued = _weights(src)
+    src.close()
+    shards = sorted(f for f in os.listdir(tmp_path / "bad") if f.startswith("rank0.bucket"))
+    assert len(shards) > 3, shards  # the corrupt one is written after others were
+    _flip_byte(str(tmp_path / "bad" / max(shards, key=lambda f: int(f.split("bucket")[1].split(".")[0]))))
+
+    engine = _engine()
+    with pytest.raises(CheckpointError, match="fails its checksum|differs from the manifest"):
+        engine.load_checkpoint(str(tmp_path / "bad"))
+    for call in (lambda: engine(*batch(0, 2)), engine.step, lambda: engine.save_checkpoint(str(tmp_path / "x")),
+                 engine.consolidated_state_dict):
+        with pytest.raises(EngineStateError, match="last load_checkpoint stopped part way"):
+            call()
+    engine.load_checkpoint(str(tmp_path / "good"))
+    assert _same(_weights(engine), expected)
+    _train(engine, range(3, 5))
+    assert _same(_weights(engine), continued)
+    engine.close()
+
+
+def test_mismatches_are_refused_before_anything_changes(tmp_path: object) -> None:
+    class Model(nn.Module):
+        def __init__(self, stat: torch.Tensor, frozen: str = "frozen") -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("stat", stat)
+            setattr(self, frozen, nn.Parameter(torch.full((8,), 3.0), requires_grad=False))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    src = _engine(Model(torch.full((1,), 7.5)))
+    src.save_checkpoint(str(tmp_path / "c"))
+    src.close()
+    cases = {"shape": Model(torch.zeros(8)), "dtype": Model(torch.zeros(1, dtype=torch.int64)),
+             "name": Model(torch.zeros(1), frozen="frozen2")}
+    for why, model in cases.items():
+        engine = _engine(model)
+        before = _weights(engine)
+        with pytest.raises(CheckpointError, match="model.pt"):
+            engine.load_checkpoint(str(tmp_path / "c"))
+        assert _same(_weights(engine), before), why  # nothing was written, and the engine goes on
+        engine.close()
+
+    # A shard map edited by one element: the manifest's checksum of rank0.json catches it.
+    src = _engine()
+    _train(src, range(2))
+    src.save_checkpoint(str(tmp_path / "m"))
+    src.close()
+    path = tmp_path / "m" / "rank0.json"
+    maps = json.loads(path.read_text())
+    key = next(iter(maps["shard_map"]))
+    maps["shard_map"][key][0][2] += 1
+    path.write_text(json.dumps(maps))
+    engine = _engine()
+    before = _weights(engine)
+    with pytest.raises(CheckpointError, match="rank0.json fails its checksum"):
+        engine.load_checkpoint(str(tmp_path / "m"))
+    assert _same(_weights(engine), before)
+    (tmp_path / "m" / "manifest.json").write_text("{\"format\": 1, \"wor")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint file .*manifest.json"):
+        engine.load_checkpoint(str(tmp_path / "m"))
+    engine.close()
+
+
+def test_rng_states_are_checksummed(tmp_path: object) -> None:
+    src = _engine()
+    src.save_checkpoint(str(tmp_path / "c"))
+    src.close()
+    _flip_byte(str(tmp_path / "c" / "rank0.rng.pt"))
+    engine = _engine()
+    with pytest.raises(CheckpointError, match="rank0.rng.pt"):
+        engine.load_checkpoint(str(tmp_path / "c"))
+    engine.close()
+
+
+def test_accumulation_saves_only_at_a_boundary_and_a_load_starts_a_fresh_cycle(tmp_path: object) -> None:
+    src = _engine(gradient_accumulation_steps=2)
+    _train(src, range(3))
+    with pytest.raises(EngineStateError, match="micro-batch 1 of 2 of a gradient-accumulation cycle"):
+        src.save_checkpoint(str(tmp_path / "c"))
+    _train(src, range(3, 4))
+    src.save_checkpoint(str(tmp_path / "c"))
+    _train(src, range(4, 8))
+    expected = _weights(src)
+    src.close()
+
+    engine = _engine(gradient_accumulation_steps=2)
+    _train(engine, range(1))  # a partial sum the load must forget
+    engine.load_checkpoint(str(tmp_path / "c"))
+    _train(engine, range(4, 8))
+    assert _same(_weights(engine), expected)
+    engine.close()
+
+    engine = _engine(gradient_accumulation_steps=4)  # resumed with another accumulation: a whole first cycle
+    engine.load_checkpoint(str(tmp_path / "c"))
+    assert _train(engine, range(4, 8)) == [False, False, False, True]
+    engine.close()
+
+
+def test_a_loss_scale_loads_only_into_dynamic_fp16(tmp_path: object) -> None:
+    fp16 = _engine(precision={"dtype": "fp16"})
+    _train(fp16, range(2))
+    assert fp16.runtime.shard_optimizer.scaler.scale > 1.0
+    fp16.save_checkpoint(str(tmp_path / "c"))
+    fp16.close()
+    engine = _engine()
+    engine.load_checkpoint(str(tmp_path / "c"))
+    assert engine.runtime.shard_optimizer.scaler.scale == 1.0
+    engine.close()
+    static = _engine(precision={"dtype": "fp16", "static_scale": 128.0})
+    static.load_checkpoint(str(tmp_path / "c"))
+    assert static.runtime.shard_optimizer.scaler.scale == 128.0
+    static.close()
+
+
+def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: object) -> None:
+    target = tmp_path / "run"
+    (target / "logs").mkdir(parents=True)
+    (target / "notes.txt").write_text("keep me")
+    engine = _engine()
+    with pytest.raises(CheckpointError, match="holds files and no manifest.json"):
+        engine.save_checkpoint(str(target))
+    assert (target / "notes.txt").read_text() == "keep me" and (target / "logs").is_dir()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.save_checkpoint(str(tmp_path / "ckpt"))  # a checkpoint is replaced, as before
+    engine.close()
