@@ -178,3 +178,56 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: 
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     engine.save_checkpoint(str(tmp_path / "ckpt"))  # a checkpoint is replaced, as before
     engine.close()
+
+
+def _refused_on_one_rank(rank: int, world: int, tmp: str, phase: str) -> None:
+    engine = _engine()
+    _train(engine, range(2))
+    engine.save_checkpoint(os.path.join(tmp, "c"))
+    before = _weights(engine)
+    if rank == 0:
+        victim = "rank1.rng.pt" if phase == "check" else "rank1.bucket0.pt"
+        _flip_byte(os.path.join(tmp, "c", victim))
+    import torch.distributed as dist
+
+    dist.barrier()
+    with pytest.raises(CheckpointError, match="rank 1 (refused the checkpoint|failed part way)"
+                       if rank == 0 else "rank1"):
+        engine.load_checkpoint(os.path.join(tmp, "c"))
+    if phase == "check":  # nothing changed anywhere: training goes on
+        assert engine.load_failed is None
+        assert _same(_weights(engine), before)  # a collective: {} on rank 1
+        _train(engine, range(2, 3))
+    else:  # both ranks refuse to go on
+        with pytest.raises(EngineStateError, match="stopped part way"):
+            engine.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("phase", ["check", "write"])
+def test_a_checkpoint_one_rank_refuses_is_refused_by_every_rank(tmp_path: object, phase: str) -> None:
+    """Each rank reads its own files; one rank's refusal used to leave the other writing its
+    state and waiting for ever in the load's all-gather (a review's finding)."""
+    from _dist import run_ranks
+
+    run_ranks(_refused_on_one_rank, 2, timeout=120, tmp=str(tmp_path), phase=phase)
+
+
+def test_sub_shard_step_counts_survive_a_save(tmp_path: object) -> None:
+    from zero_offload.config import Config
+    from zero_offload.engine.shard_optimizer import ShardOptimizer
+
+    def config(name: str) -> Config:
+        os.makedirs(os.path.join(str(tmp_path), name))
+        return Config(stage=1, tiers={"optimizer": "nvme", "grads": "cpu"},
+                      nvme_paths=(os.path.join(str(tmp_path), name),), pinned_budget_bytes=36 * 1024 * 4)
+    opt = ShardOptimizer(config("a"), torch.device("cpu"), capacity_bytes=1 << 22)
+    opt.add_shard("s", torch.zeros(8192))
+    opt.sub_steps.update({"s#0": 3, "s#1": 2})  # as after a step that failed in its second part
+    opt.steps["s"] = 2
+    again = ShardOptimizer(config("b"), torch.device("cpu"), capacity_bytes=1 << 22)
+    again.add_shard("s", torch.zeros(8192))
+    again.load_scalars(opt.state_dict_scalars())
+    assert again.sub_steps == {"s#0": 3, "s#1": 2} and again.steps == {"s": 2}
+    opt.close()
+    again.close()

@@ -102,14 +102,17 @@ def test_a_step_that_fails_part_way_keeps_each_step_count_with_its_state(tmp_pat
             failed["n"] -= 1
             raise MemoryError(f"no room to install {key}")
     cfg = Config(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 0.1, "weight_decay": 0.0})
-    opt = ShardOptimizer(cfg, torch.device("cpu"), on_updated=install, capacity_bytes=1 << 22)
-    keys = [f"k{i}" for i in range(4)]
-    for k in keys:
-        opt.add_shard(k, torch.zeros(4096))
-        opt.grad_ready(k, torch.ones(4096))
-    with pytest.raises(RuntimeError, match="the optimizer step failed: no room to install k0"):
-        opt.finish_step()
-    for k in keys:  # stepped or not, each shard's count says which
-        assert torch.allclose(opt.master(k), torch.full((4096,), -0.1 * opt.steps[k]), atol=1e-5), (k, opt.steps)
-    assert opt.steps["k0"] == 1
-    opt.close()
+    for stream in (False, True):  # installed by step() on the caller's thread, or by the worker (stage 3)
+        failed["n"] = 1
+        opt = ShardOptimizer(cfg, torch.device("cpu"), on_updated=install, capacity_bytes=1 << 22,
+                             stream_updates=stream)
+        keys = [f"k{i}" for i in range(4)]
+        for k in keys:
+            opt.add_shard(k, torch.zeros(4096))
+            opt.grad_ready(k, torch.ones(4096))
+        with pytest.raises(RuntimeError, match="the optimizer step failed: no room to install k0"):
+            opt.finish_step()
+        for k in keys:  # stepped or not, each shard's count says which
+            assert torch.allclose(opt.master(k), torch.full((4096,), -0.1 * opt.steps[k]), atol=1e-5), (stream, k, opt.steps)
+        assert opt.steps["k0"] == 1
+        opt.close()

@@ -21,10 +21,12 @@ class _GatedKernel:
 
     def __init__(self, gated: int) -> None:
         self.gated, self.gate, self.opened = gated, threading.Event(), None
+        self.entered = threading.Event()  # the gated job has begun
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  s: Scalars, out: torch.Tensor | None) -> None:
         if master.numel() == self.gated:
+            self.entered.set()
             self.opened = self.gate.wait(WAIT_S)
         master.add_(grad)
         if out is not None:
@@ -70,11 +72,13 @@ def test_a_failing_handler_stops_the_step_but_every_stepped_job_is_handed_over()
     begun, and every job it did step is still handed over (its state has moved on, its step count
     must follow: a review found them dropped), then the first error is raised as the step's."""
     sizes = [8, 16, 24]
-    kernel = _GatedKernel(gated=16)  # s1, if the worker has begun it, ends only after the failure
+    kernel = _GatedKernel(gated=16)  # s1 is begun before the failure and ends only after it
     seen: list[str] = []
 
     def fail(job: Job) -> None:
         seen.append(job.key)
+        if job.key == "s0":
+            assert kernel.entered.wait(WAIT_S)
         raise ValueError(f"handler refused {job.key}")
     pipe = _pipeline(kernel, sizes)
 
@@ -94,8 +98,7 @@ def test_a_failing_handler_stops_the_step_but_every_stepped_job_is_handed_over()
     assert isinstance(info.value.__cause__, ValueError)
     assert pipe._finished == 3  # nothing left in flight
     stepped = [f"s{i}" for i in range(len(sizes)) if pipe.access.store.view(f"s{i}")[0] != 0]
-    assert stepped[0] == "s0" and seen == stepped  # s1 when the worker had begun it
-    assert "s2" not in stepped  # begun after the failure: skipped
+    assert stepped == seen == ["s0", "s1"]  # s1 was in flight: stepped, handed over; s2 skipped
     assert pipe.drain() == []  # nothing of the failed drain is handed over again
     pipe.submit(_jobs(sizes)[0])
     assert [j.key for j in pipe.drain()] == ["s0"]

@@ -100,3 +100,12 @@ def all_agree(value: Any) -> bool:
     values: list[Any] = [None] * world_size()
     dist.all_gather_object(values, value)
     return all(v == values[0] for v in values)
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's (picklable) `value`, in rank order; [value] without a process group."""
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values

@@ -20,8 +20,9 @@ checkpoint), so a load starts a fresh cycle and may change gradient_accumulation
 
 Loading checks everything it can before it changes anything: the manifest and shard maps, the
 shapes of trainable and frozen parameters, model.pt's names, shapes and dtypes, the RNG file, and
-that the saved pieces cover every element. Only a shard file whose bytes fail their checksum is
-found while shards are being written; the engine then refuses to train or save until a load
+that the saved pieces cover every element; every rank does, and all refuse if one does. What can
+only be found while shards are being written (a shard file whose bytes fail their checksum, an I/O
+error of the engine's own store) leaves every rank's engine refusing to train or save until a load
 succeeds (its state is partly overwritten), rather than going on with a mixture.
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
@@ -36,6 +37,7 @@ import os
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,10 +229,56 @@ def _check_shapes(root: str, what: str, current: dict[str, Any], saved: dict[str
         raise CheckpointError(f"checkpoint {root} does not match the model's {what}: {diff}")
 
 
+@dataclass
+class _Load:
+    """Everything a load writes, read and checked before it writes anything."""
+
+    root: str
+    manifest: dict[str, Any]
+    reader: "_Reader"
+    shards: dict[str, list[tuple[str, int, int, int]]]
+    frozen: dict[str, list[tuple[str, int, int, int]]]
+    non_trainable: list[tuple[torch.Tensor, torch.Tensor]]
+    rng: dict[str, torch.Tensor] | None
+    same_world: bool
+
+
 def load(engine: "Engine", path: str) -> None:
     """Restore `engine` from `path`, which may come from another world size or tier config.
-    Everything is checked before anything changes (see the module docstring)."""
-    rt, opt = engine.runtime, engine.runtime.shard_optimizer
+    Every rank checks everything before any rank changes anything, and the ranks agree on the
+    outcome of each phase, so a checkpoint one rank refuses is refused by all (none is left
+    waiting in a collective); see the module docstring."""
+    plan, refused = None, None
+    try:
+        plan = _prepare(engine, path)
+    except Exception as exc:
+        refused = exc if isinstance(exc, CheckpointError) else CheckpointError(f"checkpoint {path}: {exc!r}")
+    _agree(refused, "refused the checkpoint")
+    assert plan is not None
+    engine.load_failed = "a load is in progress"  # cleared below: a failure from here on leaves a mixture
+    failed = None
+    try:
+        _apply(engine, plan)
+    except Exception as exc:
+        failed = exc
+    _agree(failed, "failed part way through loading the checkpoint")
+    engine.runtime.refresh_params()
+    engine.load_failed = None
+    comm.barrier()
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank has an error: its own, or the first other rank's."""
+    errors = comm.gather_objects(None if error is None else str(error))
+    if error is not None:
+        raise error
+    for r, message in enumerate(errors):
+        if message is not None:
+            raise CheckpointError(f"rank {r} {what}: {message}")
+
+
+def _prepare(engine: "Engine", path: str) -> _Load:
+    rt = engine.runtime
     root = _resolve(path)
     manifest = _read_json(os.path.join(root, "manifest.json"))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -239,38 +287,42 @@ def load(engine: "Engine", path: str) -> None:
     _check_shapes(root, "trainable parameters", rt.param_shapes(), manifest["param_shapes"])
     if "frozen_shapes" in manifest:  # older checkpoints: stage-3 frozen shards stay as initialized
         _check_shapes(root, "frozen parameters", rt.frozen_shapes(), manifest["frozen_shapes"])
+    sd = manifest["optimizer"]
+    if not all(isinstance(sd.get(k), t) for k, t in (("steps", dict), ("param_groups", list), ("scaler", dict))):
+        raise CheckpointError(f"checkpoint {root}: the manifest's optimizer entry is malformed")
     reader = _Reader(root, manifest)
     maps = _read_maps(root, manifest)
-    shards = _plan(maps, "shard_map", rt.shard_map())
-    frozen = _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {}
-    non_trainable = _checked_non_trainable(engine, reader.get("model.pt"), root)
     same_world = manifest["world"] == comm.world_size()
-    rng = _rng(reader, manifest) if same_world else None
-    engine.load_failed = "a load is in progress"  # cleared below: a failure from here on leaves a mixture
-    for key, pieces in shards.items():
+    return _Load(root, manifest, reader, _plan(maps, "shard_map", rt.shard_map()),
+                 _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {},
+                 _checked_non_trainable(engine, reader.get("model.pt"), root),
+                 _rng(reader, manifest) if same_world else None, same_world)
+
+
+def _apply(engine: "Engine", plan: _Load) -> None:
+    """Write the checked checkpoint into the engine (no collective: the ranks agree afterwards)."""
+    rt, opt, manifest = engine.runtime, engine.runtime.shard_optimizer, plan.manifest
+    for key, pieces in plan.shards.items():
         parts = {part: torch.zeros(opt.numel[key], dtype=torch.float32) for part in PARTS}
-        _fill(parts, pieces, reader)
+        _fill(parts, pieces, plan.reader)
         opt.write_state(key, parts)
-    for key, pieces in frozen.items():
+    for key, pieces in plan.frozen.items():
         out = rt.read_frozen(key).clone()  # the shard's size, dtype and padding; every piece is overwritten
-        _fill({"value": out}, pieces, reader)
+        _fill({"value": out}, pieces, plan.reader)
         rt.write_frozen(key, out)
     with torch.no_grad():
-        for t, saved in non_trainable:
+        for t, saved in plan.non_trainable:
             t.copy_(saved)
     # fp16's loss scaler state means nothing to another precision, nor to a static scale
-    opt.load_scalars(manifest["optimizer"], same_layout=same_world,
+    opt.load_scalars(manifest["optimizer"], same_layout=plan.same_world,
                      scaler=manifest["precision"] == "fp16" and opt.scaler.dynamic)
     rt.accumulator.reset()  # saved at a boundary: this engine's partial sums are not the checkpoint's
     engine.global_steps = manifest["global_steps"]
     engine.micro_step = engine.global_steps * engine.config.gradient_accumulation_steps  # a fresh cycle
-    if rng is not None:
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"], engine.device)
-    rt.refresh_params()
-    engine.load_failed = None
-    comm.barrier()
+    if plan.rng is not None:
+        torch.set_rng_state(plan.rng["cpu"])
+        if "cuda" in plan.rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(plan.rng["cuda"], engine.device)
 
 
 def _read_maps(root: str, manifest: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -336,9 +388,18 @@ def _checked_non_trainable(engine: "Engine", saved: dict[str, torch.Tensor],
 
 
 def _rng(reader: _Reader, manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-    """This rank's RNG states; None for a checkpoint written before they were checksummed."""
+    """This rank's RNG states, checked against the manifest; from a checkpoint written before the
+    manifest listed them, the file as it is (None if absent)."""
     name = f"rank{comm.rank()}.rng.pt"
-    return reader.get(name) if name in manifest["files"] else None
+    if name in manifest["files"]:
+        return reader.get(name)
+    full = os.path.join(reader.root, name)
+    if not os.path.exists(full):
+        return None
+    try:
+        return torch.load(full, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {full}: {exc}") from None
 
 
 def _trainable_names(engine: "Engine") -> set[str]:

@@ -300,8 +300,8 @@ class ShardOptimizer:
 
     def state_dict_scalars(self) -> dict:
         """Everything but the tensors (JSON-ready): step counts, hyperparameters, loss scaler."""
-        return {"steps": dict(self.steps), "param_groups": self._groups(), "scaler": self.scaler.state_dict(),
-                "skipped_steps": self.skipped_steps}
+        return {"steps": dict(self.steps), "sub_steps": dict(self.sub_steps), "param_groups": self._groups(),
+                "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, sd: dict) -> None:
         missing = set(self.numel) - set(sd["state"])
@@ -313,7 +313,8 @@ class ShardOptimizer:
 
     def load_scalars(self, sd: dict, *, same_layout: bool = True, scaler: bool = True) -> None:
         """Everything but the tensors. With another layout (world size, buckets) the shard keys
-        differ; every shard then takes the largest saved step count (they are equal in practice).
+        differ; every shard then takes the largest saved step count (they differ only after a step
+        that failed part way, when the ones it skipped are one behind).
         `scaler=False` keeps this optimizer's own loss scaler (the saved one is another precision's)."""
         if same_layout and set(sd["steps"]) == set(self.steps):
             self.steps.update({k: int(v) for k, v in sd["steps"].items()})
@@ -321,6 +322,9 @@ class ShardOptimizer:
             top = max((int(v) for v in sd["steps"].values()), default=0)
             self.steps = {k: top for k in self.steps}
         self.sub_steps = {sub.key: self.steps[key] for key, subs in self.subshards.items() for sub in subs}
+        saved_subs = {k: int(v) for k, v in sd.get("sub_steps", {}).items()}
+        if same_layout and set(saved_subs) == set(self.sub_steps):
+            self.sub_steps = saved_subs
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         if scaler:

@@ -260,6 +260,8 @@ class StepPipeline:
             err, self._error = self._error, None
             if err is not None:  # reported even when `each` raised too (that error is its context)
                 self.access.flush(after_error=True)
+                if not isinstance(err, Exception):
+                    raise err  # an interrupt stays an interrupt
                 raise RuntimeError(f"the optimizer step failed: {err}") from err
         return done
 
@@ -315,7 +317,8 @@ class StepPipeline:
                 if self._error is None:
                     self._run(job)
             except BaseException as exc:  # surfaced by drain() on the caller's thread
-                self._error = exc
+                with self._idle:
+                    self._error = self._error or exc  # the first error (a hand-over may have failed first)
             finally:
                 with self._idle:
                     self._finished += 1
@@ -337,7 +340,9 @@ class StepPipeline:
             job.out, job.out_owned = out, True
         self.access.release(staged)
         job.grad = torch.empty(0)  # the gradient is consumed: free it now, not at drain()
-        if self.on_done is not None:
-            self.on_done(job)
-            job.out = None
-        self.done.append(job)
+        try:
+            if self.on_done is not None:
+                self.on_done(job)
+                job.out = None
+        finally:  # stepped, whatever the hand-over did: its step count must follow its state
+            self.done.append(job)
