@@ -9,21 +9,25 @@ from zero_offload.engine import step as step_mod
 from zero_offload.engine.shard_optimizer import ShardOptimizer
 
 
+def _fail_kernel_call(monkeypatch: pytest.MonkeyPatch, which: int) -> None:
+    """The CPU Adam's `which`-th call (from 1) raises; every other call steps as usual."""
+    real, calls = step_mod.HostAdam.__call__, {"n": 0}
+
+    def flaky(self: object, *args: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == which:
+            raise OSError("simulated kernel failure")
+        real(self, *args)
+    monkeypatch.setattr(step_mod.HostAdam, "__call__", flaky)
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_failed_step_raises_then_next_step_runs(tier: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = Config(stage=1, tiers={"optimizer": tier, "grads": tier}, nvme_paths=(str(tmp_path),),
                  optimizer={"lr": 0.1, "weight_decay": 0.0})
     opt = ShardOptimizer(cfg, torch.device("cpu"), capacity_bytes=1 << 20)
     opt.add_shard("s", torch.zeros(64))
-    real = step_mod.HostAdam.__call__
-    calls = {"n": 0}
-
-    def flaky(self: object, *args: object) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError("simulated kernel failure")
-        real(self, *args)
-    monkeypatch.setattr(step_mod.HostAdam, "__call__", flaky)
+    _fail_kernel_call(monkeypatch, 1)
     opt.grad_ready("s", torch.ones(64))
     with pytest.raises(RuntimeError, match="the optimizer step failed: simulated kernel failure"):
         opt.finish_step()
@@ -75,14 +79,7 @@ def test_a_step_that_fails_part_way_keeps_each_step_count_with_its_state(tmp_pat
     opt = ShardOptimizer(cfg, torch.device("cpu"), capacity_bytes=1 << 22)
     opt.add_shard("s", torch.zeros(8192))
     assert [p.key for p in opt.subshards["s"]] == ["s#0", "s#1"]
-    real, calls = step_mod.HostAdam.__call__, {"n": 0}
-
-    def second_fails_once(self: object, *args: object) -> None:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("simulated kernel failure")
-        real(self, *args)
-    monkeypatch.setattr(step_mod.HostAdam, "__call__", second_fails_once)
+    _fail_kernel_call(monkeypatch, 2)
     opt.grad_ready("s", torch.ones(8192))
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         opt.finish_step()
