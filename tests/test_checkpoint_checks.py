@@ -231,3 +231,34 @@ def test_sub_shard_step_counts_survive_a_save(tmp_path: object) -> None:
     assert again.sub_steps == {"s#0": 3, "s#1": 2} and again.steps == {"s": 2}
     opt.close()
     again.close()
+
+
+def _save_fails_on_one_rank(rank: int, world: int, tmp: str) -> None:
+    from zero_offload.engine import checkpoint
+
+    engine = _engine()
+    _train(engine, range(2))
+    engine.save_checkpoint(os.path.join(tmp, "c"))
+    saved = _weights(engine)
+    _train(engine, range(2, 3))
+    real = checkpoint._save_tensors
+
+    def disk_full(tensors: dict, path: str) -> dict:
+        if rank == 1 and ".bucket" in path:
+            raise OSError(28, "No space left on device")
+        return real(tensors, path)
+    checkpoint._save_tensors = disk_full
+    with pytest.raises((CheckpointError, OSError), match="rank 1 could not write its part|No space left"):
+        engine.save_checkpoint(os.path.join(tmp, "c"))
+    checkpoint._save_tensors = real
+    engine.load_checkpoint(os.path.join(tmp, "c"))  # the previous checkpoint, whole
+    assert _same(_weights(engine), saved)
+    engine.close()
+
+
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path: object) -> None:
+    """Rank 1 cannot write a shard file: rank 0 used to go on, finish a manifest without it and
+    wait for ever in the last barrier; now both raise and the previous checkpoint stays."""
+    from _dist import run_ranks
+
+    run_ranks(_save_fails_on_one_rank, 2, timeout=120, tmp=str(tmp_path))

@@ -95,10 +95,7 @@ def barrier() -> None:
 
 def all_agree(value: Any) -> bool:
     """True when every rank passed an equal (picklable) value; used to agree on a recorded order."""
-    if not is_distributed():
-        return True
-    values: list[Any] = [None] * world_size()
-    dist.all_gather_object(values, value)
+    values = gather_objects(value)
     return all(v == values[0] for v in values)
 
 

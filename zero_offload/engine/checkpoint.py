@@ -100,15 +100,36 @@ def _non_trainable(engine: "Engine") -> dict[str, torch.Tensor]:
 
 
 def save(engine: "Engine", path: str) -> None:
-    """Write `engine`'s whole training state to `path` atomically (a collective)."""
-    rt, opt = engine.runtime, engine.runtime.shard_optimizer
+    """Write `engine`'s whole training state to `path` atomically (a collective). The ranks agree
+    after each phase (rank 0 making `<path>.tmp`, every rank writing its files, rank 0's manifest
+    and swap), so a failure on any rank raises on all of them instead of leaving the others
+    waiting; the previous checkpoint stays in place."""
     path = os.path.abspath(path)
     _check_target(path)  # on every rank (a shared file system): all raise alike, before any collective
     tmp, rank = path + ".tmp", comm.rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    comm.barrier()
+    _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
+    _agree(_attempt(_write_rank, engine, tmp), "could not write its part of the checkpoint")
+    _agree(_attempt(_finish, engine, tmp, path) if rank == 0 else None, "could not finish the checkpoint")
+
+
+def _attempt(fn: Any, *args: Any) -> Exception | None:
+    """fn(*args)'s error, if any (to be agreed on by every rank), else None."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _make_tmp(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+
+
+def _write_rank(engine: "Engine", tmp: str) -> None:
+    """This rank's shard files and shard map (one rank at stage 0: the shards are replicated),
+    and its RNG states."""
+    rt, opt, rank = engine.runtime, engine.runtime.shard_optimizer, comm.rank()
     files: dict[str, dict[str, Any]] = {}
     if rank == 0 or not rt.replicated:
         shard_map = rt.shard_map()
@@ -127,10 +148,6 @@ def save(engine: "Engine", path: str) -> None:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state(engine.device)
     _save_tensors(rng, os.path.join(tmp, f"rank{rank}.rng.pt"))
-    comm.barrier()
-    if rank == 0:
-        _finish(engine, tmp, path)
-    comm.barrier()
 
 
 def _check_target(path: str) -> None:
