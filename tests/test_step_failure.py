@@ -113,3 +113,27 @@ def test_a_step_that_fails_part_way_keeps_each_step_count_with_its_state(tmp_pat
             assert torch.allclose(opt.master(k), torch.full((4096,), -0.1 * opt.steps[k]), atol=1e-5), (stream, k, opt.steps)
         assert opt.steps["k0"] == 1
         opt.close()
+
+
+def test_a_shard_whose_slot_cannot_be_written_is_not_added(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full drive while a split shard's second slot is written: add_shard used to leave the key
+    registered ('already added' on a retry, a KeyError at the first step)."""
+    cfg = Config(stage=1, tiers={"optimizer": "nvme", "grads": "cpu"}, nvme_paths=(str(tmp_path),),
+                 pinned_budget_bytes=36 * 1024 * 4, optimizer={"lr": 0.1, "weight_decay": 0.0})
+    opt = ShardOptimizer(cfg, torch.device("cpu"), capacity_bytes=1 << 22)
+    real = opt.store.write
+
+    def full_drive(key: str, src: torch.Tensor) -> object:
+        if key == "s#1":
+            raise OSError(28, "No space left on device")
+        return real(key, src)
+    monkeypatch.setattr(opt.store, "write", full_drive)
+    with pytest.raises(OSError, match="No space left"):
+        opt.add_shard("s", torch.zeros(8192))
+    assert "s" not in opt.numel and opt.store.keys() == []
+    monkeypatch.undo()
+    opt.add_shard("s", torch.zeros(8192))  # the retry works
+    opt.grad_ready("s", torch.ones(8192))
+    assert opt.finish_step() is True
+    assert torch.allclose(opt.master("s"), torch.full((8192,), -0.1), atol=1e-5)
+    opt.close()

@@ -108,20 +108,33 @@ class ShardOptimizer:
         if master.dim() != 1:
             raise ValueError(f"ShardOptimizer.add_shard({key!r}): master must be 1-D, got shape {tuple(master.shape)}")
         n = master.numel()
-        self.numel[key], self.decay[key], self.steps[key] = n, weight_decay, 0
-        self.subshards[key] = split(key, n, None if self.store.addressable else subshard_limit(self.access.budget_bytes))
-        flat = master.detach().reshape(-1)
-        for sub in self.subshards[key]:
-            self.store.allocate(sub.key, len(PARTS) * sub.numel, torch.float32)  # master, m, v back to back
-            # Page-aligned: an nvme tier writes it straight to the drive, not through bounce buffers.
-            state = aligned_tensor(len(PARTS) * sub.numel, torch.float32)
-            state[sub.numel:].zero_()
-            state[:sub.numel].copy_(flat[sub.lo:sub.hi])
-            self.store.write(sub.key, state).wait()
+        subs = split(key, n, None if self.store.addressable else subshard_limit(self.access.budget_bytes))
+        self._write_initial(subs, master.detach().reshape(-1))
+        # Registered only once every slot is written: a failure (a full drive) leaves no half-added key.
+        self.numel[key], self.decay[key], self.steps[key], self.subshards[key] = n, weight_decay, 0, subs
+        for sub in subs:
             self._subshard[sub.key] = sub
             self.sub_steps[sub.key] = 0
             self.access.add(sub.numel)
         self.order.append(key)
+
+    def _write_initial(self, subs: list[SubShard], flat: torch.Tensor) -> None:
+        """Each sub-shard's master (from `flat`), m and v (zeros) in a slot of its own; on failure
+        the slots already made are freed again."""
+        made: list[str] = []
+        try:
+            for sub in subs:
+                self.store.allocate(sub.key, len(PARTS) * sub.numel, torch.float32)  # master, m, v back to back
+                made.append(sub.key)
+                # Page-aligned: an nvme tier writes it straight to the drive, not through bounce buffers.
+                state = aligned_tensor(len(PARTS) * sub.numel, torch.float32)
+                state[sub.numel:].zero_()
+                state[:sub.numel].copy_(flat[sub.lo:sub.hi])
+                self.store.write(sub.key, state).wait()
+        except BaseException:
+            for k in made:
+                self.store.free(k)
+            raise
 
     # ---- the step ----
     def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False) -> None:
