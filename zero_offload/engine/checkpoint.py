@@ -105,8 +105,8 @@ def save(engine: "Engine", path: str) -> None:
     and swap), so a failure on any rank raises on all of them instead of leaving the others
     waiting; the previous checkpoint stays in place."""
     path = os.path.abspath(path)
-    _check_target(path)  # on every rank (a shared file system): all raise alike, before any collective
     tmp, rank = path + ".tmp", comm.rank()
+    _agree(_attempt(_check_target, path), "will not save there")
     _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
     _agree(_attempt(_write_rank, engine, tmp), "could not write its part of the checkpoint")
     _agree(_attempt(_finish, engine, tmp, path) if rank == 0 else None, "could not finish the checkpoint")
@@ -181,7 +181,6 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
                 "micro_step": engine.micro_step, "global_steps": engine.global_steps,
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
-                "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
                 "maps": maps, "files": files}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
     _fsync_file(tmp)
@@ -273,12 +272,7 @@ def load(engine: "Engine", path: str) -> None:
     _agree(refused, "refused the checkpoint")
     assert plan is not None
     engine.load_failed = "a load is in progress"  # cleared below: a failure from here on leaves a mixture
-    failed = None
-    try:
-        _apply(engine, plan)
-    except Exception as exc:
-        failed = exc
-    _agree(failed, "failed part way through loading the checkpoint")
+    _agree(_attempt(_apply, engine, plan), "failed part way through loading the checkpoint")
     engine.runtime.refresh_params()
     engine.load_failed = None
     comm.barrier()
