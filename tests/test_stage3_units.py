@@ -43,6 +43,28 @@ def test_unit_bytes_threshold_chooses_subtrees() -> None:
     rt.close()
 
 
+def test_units_chosen_by_size_are_never_a_container_that_is_not_called() -> None:
+    """The three blocks fit in unit_bytes together: their ModuleList used to become a unit,
+    gathered around a forward that never runs, and the first block read empty parameters."""
+    model = make_model()
+    assert isinstance(model.blocks, nn.ModuleList)
+    rt = Stage3Runtime(model, config(unit_modules=[], unit_bytes=1 << 30, live_budget_bytes=1 << 20), CPU)
+    assert [u.name for u in rt.units] == ["<root>", "tok", "blocks.0", "blocks.1", "blocks.2", "ln_f"]
+    train_runtime(rt, model, 3, 0, 1, 4)
+    _, ref_w = reference(3, 4, lr=1e-2, wd=0.01)
+    worst, err = max_rel_err(rt.consolidated_state_dict(), ref_w)
+    assert err <= 1e-5, (worst, err)
+    rt.close()
+
+
+@pytest.mark.parametrize("container", ["ModuleList", "ParameterList"])
+def test_a_container_named_as_unit_module_is_a_one_line_error(container: str) -> None:
+    model = make_model()
+    model.extra = nn.ParameterList([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ConfigError, match=f"names class '{container}', a container whose forward never runs"):
+        Stage3Runtime(model, config(unit_modules=[container]), CPU)
+
+
 def test_unknown_unit_module_class_is_a_one_line_error() -> None:
     with pytest.raises(ConfigError, match="names class 'Blok', but the model has no module of that class"):
         Stage3Runtime(make_model(), config(unit_modules=["Blok"]), CPU)

@@ -2,7 +2,8 @@
 
 Unit roots are the modules whose class is named in `stage3.unit_modules` (e.g. "Block"); with none
 named, the largest subtrees whose parameters fit in `stage3.unit_bytes` (a module larger than
-that with no parameterized children is a unit by itself). The model itself is always a root: its
+that with no parameterized children is a unit by itself; a ModuleList or ModuleDict, never
+called itself, is never a root: its items are considered instead). The model itself is always a root: its
 leftover parameters (embeddings, final norm...) form one more unit. Units may nest; a parameter
 belongs to the innermost root above the first module that registers it, so a tied parameter
 belongs to exactly one unit.
@@ -39,6 +40,13 @@ def _bytes(module: nn.Module, elem: int) -> int:
     return sum(p.numel() for p in module.parameters()) * elem
 
 
+# A unit is gathered around its root's forward, so a root must be a module that is called.
+# These containers never are: a model iterates a ModuleList and calls its items, and reads a
+# ParameterList's tensors in its own forward.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+_PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
 def _roots(model: nn.Module, cfg: Stage3Config, elem: int) -> set[nn.Module]:
     if cfg.unit_modules:
         classes = {type(m).__name__ for m in model.modules()}
@@ -46,11 +54,20 @@ def _roots(model: nn.Module, cfg: Stage3Config, elem: int) -> set[nn.Module]:
             if name not in classes:
                 raise ConfigError(f"config field 'stage3.unit_modules' names class '{name}', but the model has no "
                                   f"module of that class (it has: {', '.join(sorted(classes))})")
+            if name in {c.__name__ for c in _CONTAINERS + _PARAM_CONTAINERS}:
+                raise ConfigError(f"config field 'stage3.unit_modules' names class '{name}', a container whose "
+                                  "forward never runs (a unit is gathered around its root's forward): name the "
+                                  "class of the modules it holds")
         return {m for m in model.modules() if type(m).__name__ in cfg.unit_modules} | {model}
     roots = {model}
 
     def split(module: nn.Module) -> None:
         for child in module.children():
+            if isinstance(child, _CONTAINERS):  # never called: its children are what runs
+                split(child)
+                continue
+            if isinstance(child, _PARAM_CONTAINERS):  # read by the parent's forward: stays in its unit
+                continue
             has_sub = any(True for c in child.children() if any(True for _ in c.parameters()))
             if _bytes(child, elem) <= cfg.unit_bytes or not has_sub:
                 if any(True for _ in child.parameters()):
