@@ -158,6 +158,25 @@ def fp16_skip(run: Run) -> None:
         f"applied {applied}, skipped_steps {engine.skipped_steps}")
 
 
+def fp16_skip_in_a_group(run: Run) -> None:
+    """The same inside a one-rank process group (NCCL on CUDA, gloo on the dry run): the loss
+    scaler's norm and the step's failure flag are host scalars, which a NCCL-only group moves
+    only through the device (comm.all_reduce_)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl" if run.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    try:
+        fp16_skip(run)
+    finally:
+        dist.destroy_process_group()
+
+
 def stage012_rows(run: Run) -> list[tuple[str, Check]]:
     rows = []
     for precision in ("fp32", "bf16"):
@@ -168,6 +187,9 @@ def stage012_rows(run: Run) -> list[tuple[str, Check]]:
     tag = f"{run.device} stage=2 tier=cpu fp32 gradient_accumulation_steps=2"
     rows.append((tag, functools.partial(stage012_row, tag, run, 2, "cpu", "fp32", 2)))
     rows.append((f"{run.device} fp16 overflow skips exactly one step", functools.partial(fp16_skip, run)))
+    group = "nccl" if run.device == "cuda" else "gloo"
+    rows.append((f"{run.device} fp16 overflow skips exactly one step, in a one-rank {group} group",
+                 functools.partial(fp16_skip_in_a_group, run)))
     return rows
 
 

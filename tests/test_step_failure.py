@@ -137,3 +137,34 @@ def test_a_shard_whose_slot_cannot_be_written_is_not_added(tmp_path: object, mon
     assert opt.finish_step() is True
     assert torch.allclose(opt.master("s"), torch.full((8192,), -0.1), atol=1e-5)
     opt.close()
+
+
+def _fails_on_rank_one(rank: int, world: int, stage: int) -> None:
+    import zero_offload
+    from _engine_model import batch, make_model
+
+    tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
+    engine = zero_offload.initialize(make_model(), dict(stage=stage, tiers=tiers, bucket_bytes=4096))
+
+    def train(step: int) -> bool:
+        x, y = batch(step, 2 * world)
+        engine.backward(engine(x[rank::world], y[rank::world]))
+        return engine.step()
+    assert train(0)
+    if rank == 1:
+        _fail_kernel_call(pytest.MonkeyPatch(), 2)
+    expected = "failed: simulated" if rank == 1 else "failed on rank 1: simulated"
+    with pytest.raises(RuntimeError, match=f"the optimizer step {expected} kernel failure"):
+        train(1)
+    assert train(2)  # every rank goes on together: no rank was left waiting in a collective
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int) -> None:
+    """Rank 1's CPU Adam fails part way: rank 0 used to go on into the step's all-gathers (or
+    the next forward's) and wait there for ever; now every rank raises, naming the rank, and the
+    next step runs on both."""
+    from _dist import run_ranks
+
+    run_ranks(_fails_on_rank_one, 2, timeout=90, stage=stage)

@@ -30,10 +30,28 @@ def backend() -> str:
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce; op is 'sum' or 'max'."""
+    """In-place all-reduce; op is 'sum' or 'max'. A host tensor (a norm, a flag) under a
+    NCCL-only group goes through the current device and back: NCCL moves device memory only."""
     if is_distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        moved = t.cuda() if t.device.type == "cpu" and backend() == "nccl" else t
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        if moved is not t:
+            t.copy_(moved)
     return t
+
+
+def first_failure(error: BaseException | None) -> tuple[int, str] | None:
+    """Which rank failed first and why, agreed by every rank: (rank, message), or None when no
+    rank failed. One small all-reduce when none did (the usual case); the messages are gathered
+    only when one did."""
+    if not is_distributed():
+        return None if error is None else (0, str(error))
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+    if not int(all_reduce_(flag, op="max")[0]):
+        return None
+    messages = gather_objects(None if error is None else str(error))
+    r = next(r for r, m in enumerate(messages) if m is not None)
+    return r, messages[r]
 
 
 def reduce_scatter_(out: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -164,15 +164,35 @@ class ShardOptimizer:
         self._held.add(key)
 
     def finish_step(self) -> bool:
-        """Complete the step of every shard that got a gradient; False if it was skipped (overflow)."""
+        """Complete the step of every shard that got a gradient; False if it was skipped (overflow).
+
+        A step that fails on any rank fails on every rank (after the local work is finished or
+        abandoned): a rank that went on alone would wait for ever in the collectives that follow
+        (the all-gathers of the updated shards, the next forward's), or at stage 0 train on
+        while its replica differs. An interrupt is not agreed on: it leaves at once."""
+        error: Exception | None = None
+        applied = True
         try:  # a failed step must not leave this step's arrivals behind for the next one
-            if not self.eager and not self._submit_held():
-                return False
-            self.pipeline.drain(self._completed)
-            self.optimizer.step()
-            return True
+            applied = self.eager or self._submit_held()
+            if applied:
+                self.pipeline.drain(self._completed)
+        except Exception as exc:
+            error = exc
         finally:
             self._end_step()
+        self._agree(error)
+        if applied:
+            self.optimizer.step()
+        return applied
+
+    @staticmethod
+    def _agree(error: Exception | None) -> None:
+        """Raise this rank's error, or another rank's, on every rank."""
+        failed = comm.first_failure(None if error is None else (error.__cause__ or error))
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise RuntimeError(f"the optimizer step failed on rank {failed[0]}: {failed[1]}")
 
     def _completed(self, job: Job) -> None:
         """A job of this step is done (on the caller's thread, while the worker steps the rest):
