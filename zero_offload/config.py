@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -54,9 +55,9 @@ def _check_int(path: str, value: Any, low: int, high: int | None = None) -> None
 
 def _check_float(path: str, value: Any, low: float, high: float | None = None, *, open_low: bool = False) -> None:
     _check_type(path, value, (int, float))
-    if value != value or value < low or (open_low and value == low) or (high is not None and value > high):
+    if not math.isfinite(value) or value < low or (open_low and value == low) or (high is not None and value > high):
         bracket = "(" if open_low else "["
-        _fail(path, value, f"expected a number in {bracket}{low}, {'inf' if high is None else high}]")
+        _fail(path, value, f"expected a finite number in {bracket}{low}, {'inf)' if high is None else f'{high}]'}")
 
 
 def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -167,7 +168,7 @@ class Stage3Config:
     def __post_init__(self) -> None:
         _check_int("stage3.live_budget_bytes", self.live_budget_bytes, 1)
         _check_int("stage3.prefetch_depth", self.prefetch_depth, 0, 64)
-        if isinstance(self.unit_modules, str) or not all(isinstance(m, str) for m in self.unit_modules):
+        if not isinstance(self.unit_modules, (list, tuple)) or not all(isinstance(m, str) for m in self.unit_modules):
             _fail("stage3.unit_modules", self.unit_modules, "expected a list of module class names")
         object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
         _check_int("stage3.unit_bytes", self.unit_bytes, 1)
@@ -276,7 +277,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
             raise ConfigError(f"unknown config key '{where}'{hint}")
     kwargs = dict(data)
     for key, value in kwargs.items():
-        if key in _SECTIONS and isinstance(value, Mapping):
+        if cls is Config and key in _SECTIONS and isinstance(value, Mapping):  # sections are top-level only
             kwargs[key] = _build(_SECTIONS[key], value, key)
         elif isinstance(value, list):
             kwargs[key] = tuple(value)
