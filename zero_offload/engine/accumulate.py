@@ -24,6 +24,10 @@ class Accumulator:
         self.store = store
         self._partial: set[str] = set()  # keys whose buffer holds this cycle's partial sum
         self._buffers: dict[str, tuple[int, torch.dtype]] = {}  # numel, dtype of each key's buffer in the store (allocated or adopted)
+        # Keys whose buffer is an adopted micro-batch tensor: freed on the boundary, or the store
+        # would hold a second copy of every gradient beside the sum handed on (a buffer the
+        # store allocated, on the drive or pinned, is kept for the next cycle instead).
+        self._adopted: set[str] = set()
 
     def add(self, key: str, t: torch.Tensor, boundary: bool) -> torch.Tensor | None:
         """Add `t` (handed over: modified in place) to key's partial sum. On the boundary return
@@ -33,8 +37,14 @@ class Accumulator:
             t = t.add_(prev.to(t.device, non_blocking=prev.is_pinned()))
         if boundary:
             self._partial.discard(key)
+            if key in self._adopted:  # the last micro-batch's own tensor: let it go with the sum
+                self._adopted.discard(key)
+                self._buffers.pop(key, None)
+                self.store.free(key)
             return t
-        if not self.store.adopt(key, t):  # a resident tier keeps `t` itself: no copy
+        if self.store.adopt(key, t):  # a resident tier keeps `t` itself: no copy
+            self._adopted.add(key)
+        else:
             if key not in self._buffers:
                 self.store.allocate(key, t.numel(), t.dtype)
             self.store.write(key, t).wait()
@@ -43,8 +53,13 @@ class Accumulator:
         return None
 
     def reset(self) -> None:
-        """Forget every partial sum (a checkpoint load starts a fresh cycle); buffers stay for reuse."""
+        """Forget every partial sum (a checkpoint load starts a fresh cycle); allocated buffers
+        stay for reuse, adopted ones go."""
         self._partial.clear()
+        for key in self._adopted:
+            self._buffers.pop(key, None)
+            self.store.free(key)
+        self._adopted.clear()
 
     def _load(self, key: str) -> torch.Tensor:
         """Key's partial sum: the store's tensor itself on a resident tier, else read back."""
