@@ -53,6 +53,9 @@ class PhaseMachine:
     def finish_step(self) -> None:
         self._move("step()", (Phase.STEP,), Phase.IDLE, "internal error: step finished twice")
 
+    def abort_backward(self) -> None:
+        self._move("backward()", (Phase.BACKWARD,), Phase.IDLE, "internal error: no backward to abort")
+
 
 def _device_for(model: torch.nn.Module) -> torch.device:
     """The compute device: CUDA (LOCAL_RANK's GPU) when present, else the CPU."""
@@ -76,6 +79,7 @@ class Engine:
         self.micro_step = 0
         self.global_steps = 0
         self.load_failed: str | None = None  # why the last load_checkpoint stopped part way, if it did
+        self.backward_failed: str | None = None  # why a backward failed after summing part of a micro-batch
         if config.stage == 3:
             # The runtime materializes (meta models) and places the model unit by unit and
             # broadcasts rank 0's initial values itself: moving the whole model to the device
@@ -126,14 +130,32 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        if not loss.requires_grad:
+            raise ValueError("engine.backward: the loss does not require grad (computed under torch.no_grad(), "
+                             "or detached): there is nothing to back-propagate")
         self._require_loaded("backward")
         self.phase.start_backward()
         scale = self.runtime.shard_optimizer.scaler.scale
         self.runtime.begin_backward(self.is_boundary)
         try:
             (loss * scale if scale != 1.0 else loss).backward()
+        except BaseException as exc:
+            self._abort_backward(exc)
+            raise
+        self.runtime.end_backward()
+
+    def _abort_backward(self, exc: BaseException) -> None:
+        """loss.backward() raised: the gradients it did not reduce are dropped and the engine is
+        IDLE again, ready for a forward. Shards already handed to the step keep their update, as
+        after a failed step. Inside an accumulation cycle, partial sums that took part of this
+        micro-batch cannot be told apart from the others': the engine then refuses to go on
+        until a checkpoint is loaded, rather than train on a corrupted sum."""
+        try:
+            touched = self.runtime.abort_backward()
         finally:
-            self.runtime.end_backward()
+            self.phase.abort_backward()
+        if touched and self.config.gradient_accumulation_steps > 1:
+            self.backward_failed = f"{type(exc).__name__}: {exc}"
 
     def step(self) -> bool:
         """At the accumulation boundary apply the update (False if skipped for overflow); clears grads."""
@@ -187,6 +209,7 @@ class Engine:
             if self.load_failed is not None:
                 self.load_failed = f"{type(exc).__name__}: {exc}"
             raise
+        self.backward_failed = None  # the partial sums were reset with the rest of the state
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.
@@ -200,6 +223,10 @@ class Engine:
         if self.load_failed is not None:
             raise EngineStateError(f"engine.{call}: the last load_checkpoint stopped part way ({self.load_failed}) "
                                    "and left the state partly overwritten; load a checkpoint that loads")
+        if self.backward_failed is not None and call != "consolidated_state_dict":
+            raise EngineStateError(f"engine.{call}: a backward failed part way through a gradient-accumulation "
+                                   f"cycle ({self.backward_failed}) after some partial gradient sums had taken its "
+                                   "gradients; load a checkpoint to go on")
 
     def _require_idle(self, call: str) -> None:
         if self.phase.phase not in (Phase.IDLE, Phase.FORWARD):

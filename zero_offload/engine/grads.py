@@ -115,6 +115,16 @@ class GradReducer:
             self._next += 1
         self.active = False
 
+    def abort(self) -> bool:
+        """After a failed backward: the gradients not yet reduced are dropped, so nothing more
+        reaches the step; True if a bucket had already been reduced."""
+        for b in self.buckets[self._next:]:
+            b.ready.clear()
+            for p in b.params:
+                p.grad = None
+        self.active = False
+        return self._next > 0
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.active:
             raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), "

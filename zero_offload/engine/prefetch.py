@@ -147,6 +147,22 @@ class Prefetcher:
         self._drop_prefetched()
         self.schedule.end_pass()
 
+    def release_all(self) -> None:
+        """Every unit back to SHARDED, its bytes back to the budget, without recording the pass:
+        after a pass that stopped part way (its forward or backward raised, so the post-hooks
+        that release never ran) and before the compute-copy shards are rewritten (a checkpoint
+        load: a unit gathered or read ahead would keep the old values)."""
+        self._drop_prefetched()
+        for u in self.units:
+            if u.resident or u.state is UnitState.SHARDED:
+                continue
+            if u.state is UnitState.GATHERED:
+                u.release()
+            else:
+                u.abandon()
+            self.budget.give(u.nbytes)
+        self.schedule.trusted = False
+
     def warm_start(self) -> None:
         """Start fetching the next pass's first units now (their shards are final for that pass:
         called after the step, or after a backward that does not end an accumulation cycle)."""

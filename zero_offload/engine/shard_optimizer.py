@@ -185,6 +185,15 @@ class ShardOptimizer:
             self.optimizer.step()
         return applied
 
+    def abandon_step(self) -> None:
+        """After a backward that failed part way: the shards the worker was given are finished
+        and handed over as after a failed step (their state has moved on: their step counts and
+        compute copies follow); gradients held for a deferred step are forgotten."""
+        try:
+            self.pipeline.drain(self._completed)
+        finally:
+            self._end_step()
+
     @staticmethod
     def _agree(error: Exception | None) -> None:
         """Raise this rank's error, or another rank's, on every rank."""

@@ -254,7 +254,9 @@ class Stage3Runtime:
         self._seg: int | None = None
 
     def _begin_pass(self) -> None:
-        if self.phase is Phase.FORWARD:  # the previous pass had no backward (evaluation)
+        if self.phase is Phase.FORWARD and any(self._refs.values()):
+            self.prefetcher.release_all()  # the previous forward raised part way: what it held goes
+        elif self.phase is Phase.FORWARD:  # the previous pass had no backward (evaluation)
             self.prefetcher.end_pass()
         self._reset_pass()
         self.prefetcher.begin_pass()
@@ -283,6 +285,28 @@ class Stage3Runtime:
         if not self.boundary:  # no step follows: the shards the next pass reads are final already
             self.prefetcher.warm_start()
         self.boundary = True
+
+    def abort_backward(self) -> bool:
+        """After loss.backward() raised: nothing more is reduced or stepped, the gradients autograd
+        left behind are dropped and every unit the pass holds goes back to SHARDED. True when a
+        unit's gradient had already been reduced (summed into a partial sum, or handed to the
+        step: those shards are finished as after a failed step)."""
+        self._segment_end()
+        touched = any(self.units[i].trainable is not None for i in self._done)
+        for u in self.units:
+            for p in u.trainable.params if u.trainable is not None else ():
+                p.grad = None
+        self.prefetcher.release_all()
+        self._reset_pass()
+        self.phase, self.boundary = Phase.IDLE, True
+        try:
+            self.shard_optimizer.abandon_step()
+        finally:
+            if self.world == 1:
+                self._regather_resident()  # resident units take the shards the worker did step
+            else:  # a collective only this rank would issue: they are installed at the next step
+                self._fresh = {}
+        return touched
 
     def _segment_start(self) -> None:
         """Model compute runs between two hooks: the time from a hook's end to the next hook's start."""
@@ -333,7 +357,9 @@ class Stage3Runtime:
                 u.install_shards({g.key: fresh.get(g.key) for g in u.groups})
 
     def refresh_params(self) -> None:
-        """Compute-copy shards from the master shards (after a checkpoint load)."""
+        """Compute-copy shards from the master shards (after a checkpoint load). Units read ahead
+        after the last step, or left gathered, are let go first: they hold the old values."""
+        self.prefetcher.release_all()
         for key, (unit, g) in self.by_key.items():
             if g.trainable:
                 unit.write_shard(key, self.shard_optimizer.master(key))
@@ -349,6 +375,7 @@ class Stage3Runtime:
         unit, g = self.by_key[key]
         if g.trainable:
             raise KeyError(f"stage 3: {key!r} is trainable; its values come from the optimizer's master shard")
+        self.prefetcher.release_all()  # no read ahead of the shard may run beside this write
         unit.write_shard(key, values)
         unit.settle_write(key)
 
