@@ -314,3 +314,30 @@ def test_fetch_takes_a_shard_still_being_written_from_memory() -> None:
     unit.finish_gather()
     assert store.reads == 1 and torch.equal(torch.cat([lin.weight.reshape(-1), lin.bias]), new[:15])
     unit.release()
+
+
+class _TwiceUnderReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        y = checkpoint(self.inner, x, use_reentrant=True)  # its backward: a separate autograd pass
+        return self.outer(self.inner(y)).pow(2).mean()  # and inner again, outside the checkpoint
+
+
+def test_a_unit_used_inside_and_outside_a_reentrant_checkpoint_is_a_clear_error() -> None:
+    """The unit was reduced (and released) after the outer pass's gradient alone; the reentrant
+    pass then ran on its released, empty parameters: "setStorage: ... out of bounds"."""
+    import zero_offload
+
+    cfg = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
+           "stage3": {"unit_modules": ["Linear"], "live_budget_bytes": 1 << 20}}
+    engine = zero_offload.initialize(_TwiceUnderReentrantCheckpoint(), cfg)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="unit 'inner' is needed for backward again .* use use_reentrant=False"):
+        engine.backward(engine(x))
+    engine.close()

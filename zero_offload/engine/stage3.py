@@ -48,6 +48,15 @@ BLOCK = 4096
 WRITES_IN_FLIGHT = 4  # updated compute-copy shards written behind the step at once
 
 
+# Autograd reports each parameter's gradient once per backward, after summing every use: a unit
+# is reduced and released when all of its parameters have reported. A reentrant checkpoint runs
+# its part of backward as a separate autograd pass, so a module used both inside and outside it
+# (or inside two) reports twice, after its unit was reduced from a partial gradient.
+_TWICE = ("stage 3: unit '{unit}' {what} after its gradients were reduced in this backward: its module "
+          "runs backward in two separate autograd passes, as under torch.utils.checkpoint(..., "
+          "use_reentrant=True) around a module that is also used outside that checkpoint or in another; "
+          "use use_reentrant=False")
+
 class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
@@ -192,6 +201,8 @@ class Stage3Runtime:
         self._segment_end()
         self.phase = Phase.BACKWARD
         for u in units:
+            if u.index in self._done and u.trainable is not None:
+                raise RuntimeError(_TWICE.format(unit=u.name, what="is needed for backward again"))
             if u.index not in self._held and u.index not in self._done:
                 self._held.add(u.index)
                 self._acquire(u)
@@ -207,8 +218,11 @@ class Stage3Runtime:
                     self._finish_unit(u)
         self._segment_start()
 
-    def param_grad(self, unit: Unit) -> None:
+    def param_grad(self, unit: Unit, param: torch.Tensor) -> None:
         self._segment_end()
+        if id(param) in self._reported_params:  # a unit is reduced once all its parameters reported once
+            raise RuntimeError(_TWICE.format(unit=unit.name, what="got a second gradient"))
+        self._reported_params.add(id(param))
         self._reported[unit.index] = self._reported.get(unit.index, 0) + 1
         if self._reported[unit.index] == len(unit.trainable.params):
             self._finish_unit(unit)
@@ -249,6 +263,7 @@ class Stage3Runtime:
         self._held: set[int] = set()
         self._done: set[int] = set()
         self._reported: dict[int, int] = {}
+        self._reported_params: set[int] = set()
         self._exits: dict[int, int] = {}
         self._recomputing: set[int] = set()
         self._seg: int | None = None
