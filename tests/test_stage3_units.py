@@ -341,3 +341,46 @@ def test_a_unit_used_inside_and_outside_a_reentrant_checkpoint_is_a_clear_error(
     with pytest.raises(RuntimeError, match="unit 'inner' is needed for backward again .* use use_reentrant=False"):
         engine.backward(engine(x))
     engine.close()
+
+
+class _MixedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.fc.bias.requires_grad_(False)  # a frozen bias beside a trainable weight
+        self.ln.weight.requires_grad_(False)  # a frozen gain beside a trainable bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.fc(x))
+
+
+class _TiedWithBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.block = nn.Embedding(16, 8), _MixedBlock()
+        self.head = nn.Linear(8, 16)
+        self.head.weight = self.tok.weight  # tied; the head keeps its own bias
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.tok(idx))).pow(2).mean()
+
+
+@pytest.mark.parametrize("units", [["_MixedBlock"], ["_MixedBlock", "Linear"]],
+                         ids=["head in the root unit", "head a unit of its own"])
+def test_meta_init_reaches_modules_with_frozen_and_tied_parameters(units: list[str]) -> None:
+    """The init ran only for modules whose parameters all sat in one flat group and that were
+    the first owner of all of them: a LayerNorm with a frozen gain kept a gain of 0, a Linear
+    with a frozen bias kept zeros, and the tied head's own bias stayed 0."""
+    import zero_offload
+
+    with torch.device("meta"):
+        model = _TiedWithBias()
+    cfg = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
+           "stage3": {"unit_modules": units, "live_budget_bytes": 1 << 20}}
+    engine = zero_offload.initialize(model, cfg)
+    sd = engine.consolidated_state_dict()
+    engine.close()
+    assert torch.equal(sd["block.ln.weight"], torch.ones(8)) and torch.equal(sd["block.ln.bias"], torch.zeros(8))
+    for name in ("block.fc.weight", "block.fc.bias", "head.bias", "tok.weight"):
+        assert sd[name].abs().min() > 0, name  # uniform / normal inits: no exact zero
+    assert sd["tok.weight"].std() > 0.5  # the embedding's N(0, 1), not the head's +-1/sqrt(8) overwriting it

@@ -9,9 +9,11 @@ Meta parameters cannot take real data in place (torch refuses `.data =` across t
 so they are replaced by new nn.Parameter objects, once, in every module that registers them:
 tied weights stay one object. The model's parameter objects change; keep the model, not them.
 
-With an init function, a module is initialized only if it is the first to register all of its
-parameters: the tied LM head is skipped, as in eager construction where the tie replaces the
-head's own weight after its init.
+With an init function, each module that is the first to register at least one of its parameters
+is initialized, once the unit holding those parameters is filled. A parameter it shares with a
+module that registered it first (the tied LM head's weight) keeps that module's values, as in
+eager construction where the tie replaces the head's own weight after its init; the head's own
+bias is initialized all the same.
 """
 from __future__ import annotations
 
@@ -112,15 +114,19 @@ class WeightFiller:
     """Fills a unit's full fp32 values, parameter by parameter, from the chosen source."""
 
     def __init__(self, model: nn.Module, *, meta: bool, init_fn: InitFn | None,
-                 weights: Mapping[str, torch.Tensor] | None, source: str) -> None:
+                 weights: Mapping[str, torch.Tensor] | None, source: str,
+                 shapes: Mapping[int, torch.Size] | None = None) -> None:
+        """`shapes` (id(parameter) -> shape) lets a module be initialized while a parameter it
+        borrows lives in a unit not filled yet (that parameter is then an empty placeholder)."""
         self.meta, self.init_fn, self.weights, self.source = meta, init_fn or default_init, weights, source
+        self.shapes = dict(shapes or {})
         self.first_owner: dict[int, nn.Module] = {}
         self.modules: list[nn.Module] = []
         for module in model.modules():
             direct = [p for p in module._parameters.values() if p is not None]
             for p in direct:
                 self.first_owner.setdefault(id(p), module)
-            if direct and all(self.first_owner[id(p)] is module for p in direct):
+            if any(self.first_owner[id(p)] is module for p in direct):
                 self.modules.append(module)
 
     def fill(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor], live: list[torch.Tensor | None]) -> None:
@@ -144,12 +150,31 @@ class WeightFiller:
         return t
 
     def _run_init(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor]) -> None:
-        """Point the parameters at the fp32 views and call init_fn on the modules that own them."""
-        params = {id(p): p for _, p in named}
+        """Point the parameters at the fp32 views and call init_fn on the modules whose own
+        parameters (those they registered first) are all among them."""
+        params = {id(p) for _, p in named}
         for (_, p), view in zip(named, views):
             p.data = view
         with torch.no_grad():
             for module in self.modules:
                 direct = [p for p in module._parameters.values() if p is not None]
-                if all(id(p) in params for p in direct):
-                    self.init_fn(module)
+                if all(id(p) in params for p in direct if self.first_owner[id(p)] is module):
+                    borrowed = [p for p in direct if self.first_owner[id(p)] is not module]
+                    self._init_keeping(module, borrowed, params)
+
+    def _init_keeping(self, module: nn.Module, borrowed: list[nn.Parameter], filled: set[int]) -> None:
+        """init_fn(module), with the parameters it borrows from their first owner left as they
+        are: a filled one keeps its values, a placeholder gets a scratch tensor of its shape
+        for the call (an init reads shapes: fan-in) and is put back after."""
+        kept = [(p, p.data.clone() if id(p) in filled else p.data) for p in borrowed]
+        for p, _ in kept:
+            if id(p) not in filled:
+                p.data = torch.empty(self.shapes[id(p)], dtype=torch.float32)
+        try:
+            self.init_fn(module)
+        finally:
+            for p, old in kept:
+                if id(p) in filled:
+                    p.data.copy_(old)
+                else:
+                    p.data = old

@@ -91,7 +91,8 @@ class Stage3Runtime:
         self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated, stream_updates=True,
                                               capacity_bytes=opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20))
         source = materialize.open_weights(weights) if weights else None
-        filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights))
+        filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights),
+                                          shapes=shapes)
         for u in self.units:
             self._materialize(u, filler)
         materialize.materialize_buffers(model, self.device, source)
@@ -142,17 +143,20 @@ class Stage3Runtime:
                                   f"({big.nbytes} bytes gathered{extra}); raise the budget or use smaller units")
 
     def _materialize(self, u: Unit, filler: materialize.WeightFiller) -> None:
-        """Full fp32 values of one unit -> this rank's master shard and compute-copy shard."""
-        for g in u.groups:
-            # Page-aligned: with one process it is the shard an nvme tier writes straight to the drive.
-            full = aligned_tensor(g.layout.padded_numel, torch.float32).zero_()
-            live = [p.detach() for p in g.params]
-            filler.fill(list(zip(g.names, g.params)), g.layout.views(full), live)
+        """Full fp32 values of one unit -> this rank's master shard and compute-copy shard. Its
+        groups (trainable, frozen) are filled in one call: a module with parameters in both (a
+        frozen bias) is initialized only when all of them have a place to go."""
+        # Page-aligned: with one process it is the shard an nvme tier writes straight to the drive.
+        fulls = [aligned_tensor(g.layout.padded_numel, torch.float32).zero_() for g in u.groups]
+        filler.fill([(n, p) for g in u.groups for n, p in zip(g.names, g.params)],
+                    [v for g, full in zip(u.groups, fulls) for v in g.layout.views(full)],
+                    [p.detach() for g in u.groups for p in g.params])
+        for g, full in zip(u.groups, fulls):
             if filler.weights is None and self.world > 1:  # a random init may differ by rank: rank 0's wins
                 full = comm.broadcast_(full.to(self.device), 0).cpu()  # on the device: NCCL needs it there
             lo, hi = g.layout.shard_range(self.rank)
             shard = full if self.world == 1 else full[lo:hi].clone()
-            del full, live
+            del full
             if g.trainable:
                 self.shard_optimizer.add_shard(g.key, shard)
             u.write_shard(g.key, shard)
