@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 from typing import Any, Callable, Sequence
 
 from zero_offload import ledger
@@ -70,22 +71,38 @@ def _version() -> str:
         return "unknown"
 
 
-def load_callable(spec: str) -> Callable[[], Any]:
-    """Resolve 'MODULE:CALLABLE' where MODULE is a dotted module or a .py file path."""
-    if ":" not in spec:
-        raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE (e.g. examples/models.py:gpt_small)")
-    mod_name, attr = spec.rsplit(":", 1)
+def _one_line(exc: BaseException) -> str:
+    """An exception as '<Type>: <first line>', for the CLI's one-line errors."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _import_model_module(spec: str, mod_name: str) -> Any:
+    """Import the user's module; anything it raises (ImportError, SyntaxError, an error at its
+    top level) is the user's to fix, so it becomes one line naming the --model value."""
     try:
         if mod_name.endswith(".py") or os.sep in mod_name:
             if not os.path.exists(mod_name):
                 raise CLIError(f"--model: no such file {mod_name}")
             spec_obj = importlib.util.spec_from_file_location("_zo_user_model", mod_name)
+            if spec_obj is None or spec_obj.loader is None:
+                raise CLIError(f"--model {spec!r}: {mod_name} is not a Python file")
             module = importlib.util.module_from_spec(spec_obj)
             spec_obj.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise CLIError(f"--model: cannot import {mod_name}: {exc}") from None
+            return module
+        return importlib.import_module(mod_name)
+    except CLIError:
+        raise
+    except Exception as exc:
+        raise CLIError(f"--model {spec!r}: cannot import {mod_name}: {_one_line(exc)}") from None
+
+
+def load_callable(spec: str) -> Callable[[], Any]:
+    """Resolve 'MODULE:CALLABLE' where MODULE is a dotted module or a .py file path."""
+    if ":" not in spec:
+        raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE (e.g. examples/models.py:gpt_small)")
+    mod_name, attr = spec.rsplit(":", 1)
+    module = _import_model_module(spec, mod_name)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise CLIError(f"--model: {mod_name} has no callable {attr!r}")
@@ -100,8 +117,11 @@ def count_model_params(spec: str) -> tuple[int, int]:
     import torch
 
     fn = load_callable(spec)
-    with torch.device("meta"):
-        model = fn()
+    try:
+        with torch.device("meta"):
+            model = fn()
+    except Exception as exc:  # e.g. a builder that needs arguments: the CLI calls it with none
+        raise CLIError(f"--model {spec!r}: calling it with no arguments failed: {_one_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):
         raise CLIError(f"--model {spec}: returned {type(model).__name__}, not a torch.nn.Module")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -124,33 +144,65 @@ def _estimate_rows(led: ledger.Ledger) -> list[str]:
     return rows
 
 
-def cmd_estimate(args: argparse.Namespace) -> int:
-    """Ideal retained bytes per device, host and NVMe for each requested stage."""
+def _check_estimate_args(args: argparse.Namespace) -> None:
+    """The flags alone, before any model is imported."""
     if (args.params is None) == (args.model is None):
         raise CLIError("estimate: give exactly one of --params N or --model MODULE:CALLABLE")
+    if args.params is not None and args.params < 0:
+        raise CLIError(f"--params {args.params}: must be >= 0")
+    if args.dp < 1:
+        raise CLIError(f"--dp {args.dp}: must be >= 1")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise CLIError(f"--ranks-per-node {args.ranks_per_node}: must be >= 1")
+
+
+def _refusal(stage: int, tiers: dict[str, str], precision: str) -> str | None:
+    """Why Config refuses this stage/tier/precision combination, or None: its own check
+    (_check_combination, run when a Config is built), so estimate never shows a layout that
+    training would refuse. An nvme tier gets a placeholder path, as that check wants one and
+    estimate writes nothing."""
+    paths = (tempfile.gettempdir(),) if "nvme" in tiers.values() else ()
+    try:
+        Config(stage=stage, tiers=tiers, precision={"dtype": precision}, nvme_paths=paths)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _estimate_stages(args: argparse.Namespace, tiers: dict[str, str]) -> tuple[list[int], dict[int, str]]:
+    """The stages to show and, for --stage all, those skipped with the reason; an error when
+    no requested stage can run with these tiers."""
+    if tiers["params"] != "device" and args.stage not in ("all", "3"):
+        raise CLIError(f"--params-tier {tiers['params']} needs --stage 3")
+    requested = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
+    refused = {s: why for s in requested if (why := _refusal(s, tiers, args.precision)) is not None}
+    if len(refused) == len(requested):
+        flags = " ".join(f"--{g}-tier {t}" for g, t in tiers.items())
+        raise CLIError(f"--stage {args.stage} {flags}: {refused[requested[-1]]}")
+    return [s for s in requested if s not in refused], refused
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Ideal retained bytes per device, host and NVMe for each requested stage."""
+    _check_estimate_args(args)
+    tiers = {"params": args.params_tier, "grads": args.grads_tier, "optimizer": args.optimizer_tier}
+    stages, refused = _estimate_stages(args, tiers)
     frozen = 0
     params = args.params
     if args.model:
         params, frozen = count_model_params(args.model)
-    if params < 0:
-        raise CLIError(f"--params {params}: must be >= 0")
-    stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
-    tiers = {"params": args.params_tier, "grads": args.grads_tier, "optimizer": args.optimizer_tier}
-    results = {}
-    for s in stages:
-        if tiers["params"] != "device" and s < 3:
-            if args.stage != "all":
-                raise CLIError(f"--params-tier {tiers['params']} needs --stage 3")
-            continue
-        results[s] = ledger.ideal(params, args.dp, s, args.precision, tiers, args.ranks_per_node)
+    results = {s: ledger.ideal(params, args.dp, s, args.precision, tiers, args.ranks_per_node) for s in stages}
     if args.json:
         print(json.dumps({"params": params, "frozen_params": frozen,
-                          "stages": {str(s): led.as_dict() for s, led in results.items()}}, indent=2))
+                          "stages": {str(s): led.as_dict() for s, led in results.items()},
+                          "refused": {str(s): why for s, why in refused.items()}}, indent=2))
         return 0
     conv = "2+2+12 bytes/param (compute-dtype weights and grads, fp32 master+m+v)" if args.precision != "fp32" \
         else "4+4+12 bytes/param (fp32 compute copy, fp32 grads, fp32 master+m+v)"
     print(f"P = {params:,} trainable parameters" + (f" (+{frozen:,} frozen, not counted)" if frozen else "")
           + f", D = {args.dp}, precision {args.precision}: {conv}")
+    for s, why in refused.items():
+        print(f"\nZeRO stage {s}: not shown, these tiers are refused there: {why}")
     for s, led in results.items():
         print(f"\nZeRO stage {s}: ideal retained bytes per rank = {_fmt_bytes(led.as_dict()['per_device']['total'])}")
         print("\n".join(_estimate_rows(led)))
@@ -209,8 +261,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] in _PLUGINS:
             return _run_plugin(_PLUGINS[argv[0]][0], argv[1:], argv[0])
         args = parser.parse_args(argv)
-        if args.command == "estimate" and args.dp < 1:
-            raise CLIError(f"--dp {args.dp}: must be >= 1")
         return args.func(args)
     except (CLIError, ConfigError, ValueError, OSError) as exc:
         print(f"zero-offload: error: {exc}", file=sys.stderr)

@@ -4,9 +4,13 @@ Only keys whose meaning we reproduce are mapped; any other key is an error that 
 setting the user relies on is never silently dropped. Keys DeepSpeed uses only for its own
 bookkeeping (batch sizes, logging) are listed in _INERT and accepted without effect, because
 they do not change what is stored where or how the step is computed.
+
+Every value we map is type-checked here, under its DeepSpeed name: JSON has no schema, and a
+Python `bool("false")` or `int(True)` would silently turn a slip into a setting.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from zero_offload.config import Config, ConfigError
@@ -21,6 +25,16 @@ _ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "o
 _OFFLOAD = {"device", "nvme_path", "pin_memory"}
 _AIO = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism"}
 _ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"}
+# fp16 key -> (our precision field, whether it is an integer)
+_FP16_KEYS = {"loss_scale": ("static_scale", False), "initial_scale_power": ("initial_scale_power", True),
+              "loss_scale_window": ("scale_window", True), "hysteresis": ("hysteresis", True),
+              "min_loss_scale": ("min_scale", False)}
+# DeepSpeed's ADAM_W_MODE_DEFAULT: "Adam" means decoupled weight decay unless adam_w_mode is false.
+_ADAM_W_MODE_DEFAULT = True
+
+
+def _key(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
 
 
 def _unknown(where: str, data: Mapping[str, Any], allowed: set[str]) -> None:
@@ -29,11 +43,52 @@ def _unknown(where: str, data: Mapping[str, Any], allowed: set[str]) -> None:
         raise ConfigError(f"DeepSpeed key(s) not supported by zero_offload in {where}: {', '.join(extra)}")
 
 
+def _bad(key: str, value: Any, expected: str) -> ConfigError:
+    """The one-line error for a bad value; 'auto' gets its own hint, a wrong kind names its type."""
+    if isinstance(value, str) and value == "auto":
+        return ConfigError(f"DeepSpeed key '{key}' = 'auto' is the Hugging Face placeholder: resolve it first "
+                           "(let the HF Trainer fill it in, or write the value)")
+    got = "" if isinstance(value, (int, float)) and not isinstance(value, bool) else f", got {type(value).__name__}"
+    return ConfigError(f"DeepSpeed key '{key}' = {value!r} is invalid: expected {expected}{got}")
+
+
 def _section(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
-    value = data.get(key) or {}
+    """The object under `key`, {} when absent; present but not an object (null, false, []) is an error."""
+    if key not in data:
+        return {}
+    value = data[key]
     if not isinstance(value, Mapping):
-        raise ConfigError(f"DeepSpeed key '{where}.{key}' must be an object, got {type(value).__name__}")
+        raise _bad(_key(where, key), value, "an object")
     return value
+
+
+def _flag(block: Mapping[str, Any], name: str, where: str, default: bool) -> bool:
+    """A true JSON boolean: the string "false" is truthy in Python, so strings are refused."""
+    value = block.get(name, default)
+    if not isinstance(value, bool):
+        raise _bad(_key(where, name), value, "true or false")
+    return value
+
+
+def _number(value: Any, key: str, *, integer: bool = False) -> Any:
+    """A finite number (an int when `integer`; 5e8 is fine, 5.5 is not). bool, null and strings
+    are refused, as int(True) == 1 and float("1") would pass a slip through."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(key, value, "an integer" if integer else "a finite number")
+    if integer and value != int(value):
+        raise _bad(key, value, "an integer")
+    return int(value) if integer else value
+
+
+def _nvme_paths(block: Mapping[str, Any], key: str) -> list[str]:
+    """nvme_path: one directory, or (our extension) a list of them."""
+    value = block.get("nvme_path")
+    if value is None or value == "":
+        raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = 'nvme' needs nvme_path")
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(p, str) and p for p in items):
+        raise _bad(f"zero_optimization.{key}.nvme_path", value, "a directory path or a list of them")
+    return items
 
 
 def _offload(zero: Mapping[str, Any], key: str, paths: list[str]) -> str:
@@ -41,35 +96,52 @@ def _offload(zero: Mapping[str, Any], key: str, paths: list[str]) -> str:
     block = _section(zero, key, "zero_optimization")
     _unknown(f"zero_optimization.{key}", block, _OFFLOAD)
     device = block.get("device", "none")
-    tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}.get(device)
+    tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}.get(device) if isinstance(device, str) else None
     if tier is None:
         raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = {device!r}: expected none, cpu or nvme")
     if tier == "nvme":
-        if not block.get("nvme_path"):
-            raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = 'nvme' needs nvme_path")
-        path = block["nvme_path"]
-        for p in [path] if isinstance(path, str) else list(path):
+        for p in _nvme_paths(block, key):
             if p not in paths:
                 paths.append(p)
     return tier
 
 
+def _fp16_settings(block: Mapping[str, Any]) -> dict[str, Any]:
+    """The loss-scale keys, checked even when fp16 is off: a typo'd value is still a slip."""
+    out: dict[str, Any] = {}
+    for ds_key, (ours, integer) in _FP16_KEYS.items():
+        if ds_key in block:
+            out[ours] = _number(block[ds_key], f"fp16.{ds_key}", integer=integer)
+    return out
+
+
 def _precision(data: Mapping[str, Any]) -> dict[str, Any]:
-    bf16 = bool(_section(data, "bf16", "").get("enabled", False))
+    bf16_block = _section(data, "bf16", "")
+    _unknown("bf16", bf16_block, {"enabled"})
     fp16_block = _section(data, "fp16", "")
-    _unknown("fp16", fp16_block, {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
-                                  "hysteresis", "min_loss_scale"})
-    _unknown("bf16", _section(data, "bf16", ""), {"enabled"})
-    fp16 = bool(fp16_block.get("enabled", False))
+    _unknown("fp16", fp16_block, {"enabled", *_FP16_KEYS})
+    bf16 = _flag(bf16_block, "enabled", "bf16", False)
+    fp16 = _flag(fp16_block, "enabled", "fp16", False)
+    scale = _fp16_settings(fp16_block)
     if bf16 and fp16:
         raise ConfigError("DeepSpeed config enables both bf16 and fp16: choose one")
     if not fp16:
         return {"dtype": "bf16" if bf16 else "fp32"}
-    out: dict[str, Any] = {"dtype": "fp16", "static_scale": float(fp16_block.get("loss_scale", 0.0))}
-    for ds_key, ours in (("initial_scale_power", "initial_scale_power"), ("loss_scale_window", "scale_window"),
-                         ("hysteresis", "hysteresis"), ("min_loss_scale", "min_scale")):
-        if ds_key in fp16_block:
-            out[ours] = fp16_block[ds_key]
+    return {"dtype": "fp16", **scale}
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise _bad("optimizer.params.betas", value, "two numbers [beta1, beta2]")
+    return _number(value[0], "optimizer.params.betas[0]"), _number(value[1], "optimizer.params.betas[1]")
+
+
+def _adam_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """lr, eps, weight_decay and betas, each checked under its DeepSpeed name."""
+    out: dict[str, Any] = {k: _number(params[k], f"optimizer.params.{k}")
+                           for k in ("lr", "eps", "weight_decay") if k in params}
+    if "betas" in params:
+        out["betas"] = _betas(params["betas"])
     return out
 
 
@@ -78,31 +150,73 @@ def _optimizer(data: Mapping[str, Any]) -> dict[str, Any]:
     if not block:
         return {}
     _unknown("optimizer", block, {"type", "params"})
-    kind = str(block.get("type", "AdamW")).lower()
-    params = dict(_section(block, "params", "optimizer"))
+    kind = block.get("type", "AdamW")
+    params = _section(block, "params", "optimizer")
     _unknown("optimizer.params", params, _ADAM_PARAMS)
-    if kind not in ("adam", "adamw"):
+    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
         raise ConfigError(f"DeepSpeed optimizer type {block.get('type')!r} is not supported: use Adam or AdamW")
-    decoupled = kind == "adamw" or bool(params.pop("adam_w_mode", kind == "adamw"))
-    params.pop("torch_adam", None)
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
-    return {"name": "adamw" if decoupled else "adam", **params}
+    # As DeepSpeed: effective_adam_w_mode = name == "adamw" or adam_w_mode (default True).
+    adam_w_mode = _flag(params, "adam_w_mode", "optimizer.params", _ADAM_W_MODE_DEFAULT)
+    _flag(params, "torch_adam", "optimizer.params", False)  # which kernel DeepSpeed uses; same maths
+    decoupled = kind.lower() == "adamw" or adam_w_mode
+    return {"name": "adamw" if decoupled else "adam", **_adam_params(params)}
 
 
 def _stage3(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if "stage3_max_live_parameters" in zero:
-        out["live_budget_bytes"] = int(zero["stage3_max_live_parameters"]) * dtype_bytes
-    if "stage3_param_persistence_threshold" in zero:
-        out["resident_bytes"] = int(zero["stage3_param_persistence_threshold"]) * dtype_bytes
-    if "stage3_prefetch_bucket_size" in zero:
-        out["unit_bytes"] = int(zero["stage3_prefetch_bucket_size"]) * dtype_bytes
+    for ds_key, ours in (("stage3_max_live_parameters", "live_budget_bytes"),
+                         ("stage3_param_persistence_threshold", "resident_bytes"),
+                         ("stage3_prefetch_bucket_size", "unit_bytes")):
+        if ds_key in zero:
+            out[ours] = _number(zero[ds_key], f"zero_optimization.{ds_key}", integer=True) * dtype_bytes
+    return out
+
+
+def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
+    """stage, bucket size, overlap and the stage-3 sizes (DeepSpeed counts elements, we bytes)."""
+    _flag(zero, "contiguous_gradients", "zero_optimization", True)  # always true for us; still a bool
+    out: dict[str, Any] = {"stage": _number(zero.get("stage", 0), "zero_optimization.stage", integer=True)}
+    if "reduce_bucket_size" in zero:
+        out["bucket_bytes"] = _number(zero["reduce_bucket_size"], "zero_optimization.reduce_bucket_size",
+                                      integer=True) * dtype_bytes
+    if "overlap_comm" in zero:
+        out["overlap_step"] = _flag(zero, "overlap_comm", "zero_optimization", True)
+    stage3 = _stage3(zero, dtype_bytes)
+    if stage3:
+        out["stage3"] = stage3
+    return out
+
+
+def _pin_memory(zero: Mapping[str, Any]) -> dict[str, Any]:
+    """pin_memory of either offload block; pinned if either asks for it, absent if neither says."""
+    blocks = [_section(zero, k, "zero_optimization") for k in ("offload_optimizer", "offload_param")]
+    pins = [_flag(b, "pin_memory", f"zero_optimization.{k}", False)
+            for b, k in zip(blocks, ("offload_optimizer", "offload_param")) if "pin_memory" in b]
+    return {"pin_memory": any(pins)} if pins else {}
+
+
+def _training(data: Mapping[str, Any]) -> dict[str, Any]:
+    """gradient_accumulation_steps, gradient_clipping and the aio block."""
+    out: dict[str, Any] = {}
+    if "gradient_accumulation_steps" in data:
+        out["gradient_accumulation_steps"] = _number(data["gradient_accumulation_steps"],
+                                                     "gradient_accumulation_steps", integer=True)
+    if "gradient_clipping" in data:
+        out["clip_grad_norm"] = float(_number(data["gradient_clipping"], "gradient_clipping"))
+    aio = _section(data, "aio", "")
+    _unknown("aio", aio, _AIO)
+    io = {k2: _number(aio[k1], f"aio.{k1}", integer=True) for k1, k2 in (
+        ("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads"),
+        ("intra_op_parallelism", "threads")) if k1 in aio}
+    if io:
+        out["io"] = io
     return out
 
 
 def config_from_deepspeed(data: Mapping[str, Any]) -> Config:
     """Map a DeepSpeed config dict onto ours; a bare zero_optimization dict is accepted too."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(data).__name__}")
     if "zero_optimization" not in data:
         data = {"zero_optimization": data}
     _unknown("the DeepSpeed config", data, _TOP)
@@ -113,26 +227,8 @@ def config_from_deepspeed(data: Mapping[str, Any]) -> Config:
     # DeepSpeed keeps reduced gradients next to the offloaded optimizer; so do we.
     tiers["grads"] = "cpu" if tiers["optimizer"] != "device" else "device"
     precision = _precision(data)
-    kwargs: dict[str, Any] = {"stage": zero.get("stage", 0), "tiers": tiers, "precision": precision,
-                              "nvme_paths": tuple(paths), "optimizer": _optimizer(data)}
-    pins = [_section(zero, k, "zero_optimization").get("pin_memory") for k in ("offload_optimizer", "offload_param")]
-    if any(p is not None for p in pins):
-        kwargs["pin_memory"] = any(bool(p) for p in pins)
-    if "reduce_bucket_size" in zero:
-        kwargs["bucket_bytes"] = int(zero["reduce_bucket_size"]) * (4 if precision["dtype"] == "fp32" else 2)
-    stage3 = _stage3(zero, 4 if precision["dtype"] == "fp32" else 2)
-    if stage3:
-        kwargs["stage3"] = stage3
-    if "overlap_comm" in zero:
-        kwargs["overlap_step"] = bool(zero["overlap_comm"])
-    if "gradient_accumulation_steps" in data:
-        kwargs["gradient_accumulation_steps"] = data["gradient_accumulation_steps"]
-    if "gradient_clipping" in data:
-        kwargs["clip_grad_norm"] = float(data["gradient_clipping"])
-    aio = _section(data, "aio", "")
-    _unknown("aio", aio, _AIO)
-    io = {k2: aio[k1] for k1, k2 in (("block_size", "block_size"), ("queue_depth", "queue_depth"),
-                                     ("thread_count", "threads"), ("intra_op_parallelism", "threads")) if k1 in aio}
-    if io:
-        kwargs["io"] = io
+    dtype_bytes = 4 if precision["dtype"] == "fp32" else 2
+    kwargs: dict[str, Any] = {"tiers": tiers, "precision": precision, "nvme_paths": tuple(paths),
+                              "optimizer": _optimizer(data), **_zero_scalars(zero, dtype_bytes),
+                              **_pin_memory(zero), **_training(data)}
     return Config(**kwargs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Mapping
 
 GROUPS = ("weights", "gradients", "optimizer")
 TIER_OF_GROUP = {"weights": "params", "gradients": "grads", "optimizer": "optimizer"}
@@ -96,26 +97,49 @@ def _num(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: dict[str, str] | None = None,
+def _check_int(name: str, value: object, low: int) -> None:
+    # bool is an int subclass: params=True would count as P = 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_tiers(tiers: Mapping[str, str] | None) -> dict[str, str]:
+    """Every group's tier, checked: an unknown tier would drop the group's bytes from every
+    column (per-tier totals would no longer add up), and a misspelt group would be ignored."""
+    if tiers is None:
+        tiers = {}
+    if not isinstance(tiers, Mapping):
+        raise ValueError(f"tiers must be a mapping of group -> tier, got {tiers!r}")
+    keys = tuple(TIER_OF_GROUP.values())
+    for key, tier in tiers.items():
+        if key not in keys:
+            raise ValueError(f"tiers key {key!r} is not one of {', '.join(keys)}")
+        if not isinstance(tier, str) or tier not in TIER_COLUMNS:
+            raise ValueError(f"tiers[{key!r}] = {tier!r} is not one of {', '.join(TIER_COLUMNS)}")
+    return {**{k: "device" for k in keys}, **tiers}
+
+
+def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapping[str, str] | None = None,
           ranks_per_node: int | None = None) -> Ledger:
     """The ideal retained bytes per rank for P=`params`, D=`dp` at ZeRO `stage`.
 
     `tiers` maps 'params'/'grads'/'optimizer' to 'device'/'cpu'/'nvme' (default: all on device).
+    `ranks_per_node` defaults to D (one machine).
     """
-    if not isinstance(params, int) or params < 0:
-        raise ValueError(f"params must be a non-negative integer, got {params!r}")
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    if stage not in (0, 1, 2, 3):
+    _check_int("params", params, 0)
+    _check_int("dp", dp, 1)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    tiers = {"params": "device", "grads": "device", "optimizer": "device", **(tiers or {})}
+    if ranks_per_node is not None:
+        _check_int("ranks_per_node", ranks_per_node, 1)
+    tiers = _check_tiers(tiers)
     per_param = bytes_per_param(precision)
     per_rank: dict[str, dict[str, Fraction]] = {}
     for group in GROUPS:
         share = Fraction(params, dp) if partitioned(group, stage) else Fraction(params)
         per_rank[group] = {t: Fraction(0) for t in TIER_COLUMNS}
         per_rank[group][tiers[TIER_OF_GROUP[group]]] = share * per_param[group]
-    return Ledger(params, dp, stage, precision, tiers, ranks_per_node or dp, per_rank)
+    return Ledger(params, dp, stage, precision, tiers, dp if ranks_per_node is None else ranks_per_node, per_rank)
 
 
 def formula(params: int, dp: int, stage: int) -> Fraction:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -209,11 +210,20 @@ def _print(report: dict[str, Any]) -> None:
         print(f"  {key:24} {value:6.3f}  {_met(key, value)}")
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Each flag on its own line of error, before any buffer is allocated. --pause-ms is a
+    float: argparse takes "nan" and "inf", which time.sleep refuses without naming the flag."""
+    for flag, value, low in (("--params", args.params, 1), ("--rounds", args.rounds, 1),
+                             ("--threads", args.threads, 0)):
+        if value < low:
+            raise ValueError(f"bench-adam: {flag} {value}: must be >= {low}")
+    if not math.isfinite(args.pause_ms) or args.pause_ms < 0:
+        raise ValueError(f"bench-adam: --pause-ms {args.pause_ms}: must be a finite number >= 0")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run every case, print the table (or JSON); 0 whether or not the targets were met."""
-    if args.params < 1 or args.rounds < 1 or args.threads < 0 or args.pause_ms < 0:
-        raise ValueError(f"bench-adam: --params {args.params}, --rounds {args.rounds}, --threads "
-                         f"{args.threads} and --pause-ms {args.pause_ms} must be >= 1, >= 1, >= 0 and >= 0")
+    _check_args(args)
     if not _native_adam.available():
         raise OSError(f"bench-adam: the native CPU Adam is not available ({_native_adam.load_reason()})")
     threads = _native_adam.resolve_threads(args.threads)

@@ -24,6 +24,7 @@ import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from zero_offload.bench.io_runners import FioRunner, OurRunner, Pattern
+from zero_offload.config import ConfigError, IOConfig
 
 OPS = ("write", "read")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -69,6 +70,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fio", action="store_true", help="do not run fio even when it is on PATH")
 
 
+def _check_settings(args: argparse.Namespace) -> None:
+    """Each swept block size, queue depth and thread count through IOConfig's own bounds: the best
+    of them becomes a config snippet, so one the config would refuse is no use measuring, and
+    a huge queue depth would first try to allocate depth x block bytes of buffers."""
+    for flag, values, field in (("--block-sizes", args.block_sizes, "block_size"),
+                                ("--queue-depths", args.queue_depths, "queue_depth"),
+                                ("--threads", args.threads, "threads")):
+        for value in values:
+            try:
+                IOConfig(**{field: value})
+            except ConfigError as exc:
+                raise ValueError(f"{flag} {value}: {exc}") from None
+
+
+def _check_write_config(path: str | None) -> None:
+    """The --write-config target, before the benchmark rather than after it."""
+    if path is None:
+        return
+    target = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(target) or not os.access(target, os.W_OK):
+        raise ValueError(f"--write-config {path!r}: not a file in an existing writable directory")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"--write-config {path!r}: the file exists and is not writable")
+
+
 def _check_args(args: argparse.Namespace) -> list[str]:
     if not os.path.isdir(args.path):
         raise ValueError(f"--path {args.path!r} is not an existing directory")
@@ -76,10 +102,13 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     bad = [b for b in backends if b not in ("native", "aiofiles")]
     if bad or not backends:
         raise ValueError(f"--backends {args.backends!r}: expected native and/or aiofiles")
-    if args.size < max(args.block_sizes) or any(b % 4096 for b in args.block_sizes):
-        raise ValueError("--size must hold one block, and block sizes must be multiples of 4096 (O_DIRECT)")
-    if args.rounds < 1 or min(args.queue_depths + args.threads) < 1:
-        raise ValueError("--rounds, --queue-depths and --threads must be >= 1")
+    _check_settings(args)
+    if args.size < max(args.block_sizes):
+        raise ValueError(f"--size {fmt_size(args.size)}: must hold one block of --block-sizes "
+                         f"(the largest is {fmt_size(max(args.block_sizes))})")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: must be >= 1")
+    _check_write_config(args.write_config)
     return backends
 
 

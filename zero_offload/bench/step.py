@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -343,7 +344,24 @@ def _print(args: argparse.Namespace, result: dict) -> None:
               "virtual machines during the rounds (above ~3%, the host was contended: the ratio suffers)")
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every flag before anything is allocated: a zero or negative size fails deep inside torch
+    (--threads 0, --steps 0) or, worse, runs and reports figures of an empty model (--d-model 0)."""
+    for flag in ("d_model", "layers", "tokens", "steps", "threads"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"bench-step: --{flag.replace('_', '-')} {value}: must be >= 1")
+    for flag in ("bucket_mib", "staging_mib"):
+        value = getattr(args, flag)
+        if not math.isfinite(value) or int(value * 2**20) < 1:  # the config takes whole bytes
+            raise ValueError(f"bench-step: --{flag.replace('_', '-')} {value}: must be a finite number > 0 "
+                             "(at least one byte)")
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        raise ValueError(f"bench-step: --nvme-path {args.nvme_path!r} is not an existing directory")
+
+
 def main(args: argparse.Namespace) -> int:
+    _check_args(args)
     allocator = steady_allocator(args.malloc)  # before any part allocates
     torch.set_num_threads(args.threads)
     io_name = "nvme" if args.tier == "nvme" else "state copy (cpu tier)"

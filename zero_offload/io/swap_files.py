@@ -93,6 +93,10 @@ class SwapFile:
         self.manifest_path = os.path.join(self.dir, "manifest.json")
         self.name, self.rank, self.fd, self.direct, self.size = name, rank, -1, False, 0
         self.reused = self._take_leftover()
+        # Whether the directory is ours to delete: made here, or a crashed run's taken over.
+        # remove() after a failed create() must not touch (nor warn about) a directory that was
+        # never made: on a read-only filesystem rmdir answers EROFS, not ENOENT, for a missing one.
+        self.owns_dir = self.reused
         self.existing_bytes = os.stat(self.path).st_size if self.reused else 0
 
     def create(self, size: int, *, direct: bool) -> None:
@@ -136,6 +140,7 @@ class SwapFile:
     def _create_dir(self) -> None:
         try:
             os.mkdir(self.dir, 0o700)
+            self.owns_dir = True
             os.chmod(self.dir, 0o700)  # mkdir's mode is filtered by the umask
         except OSError as exc:
             raise SwapError(exc.errno, f"nvme path {os.path.dirname(self.dir)!r} is not writable: "
@@ -193,10 +198,13 @@ class SwapFile:
         os.replace(tmp, self.manifest_path)
 
     def remove(self) -> None:
-        """Close and delete the file, its manifest and the directory (if nothing else is in it)."""
+        """Close the file; delete it, its manifest and the directory (if nothing else is in it)
+        when the directory is ours (owns_dir), else there is nothing of ours on disk to delete."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if not self.owns_dir:
+            return
         for p in (self.path, self.manifest_path):
             try:
                 os.unlink(p)
