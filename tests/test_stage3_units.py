@@ -2,6 +2,7 @@
 resident units and meta-device construction from an init function or weights on disk."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -384,3 +385,75 @@ def test_meta_init_reaches_modules_with_frozen_and_tied_parameters(units: list[s
     for name in ("block.fc.weight", "block.fc.bias", "head.bias", "tok.weight"):
         assert sd[name].abs().min() > 0, name  # uniform / normal inits: no exact zero
     assert sd["tok.weight"].std() > 0.5  # the embedding's N(0, 1), not the head's +-1/sqrt(8) overwriting it
+
+
+class _SharingBlock(nn.Module):
+    def __init__(self, shared: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.own, self.shared = nn.Linear(8, 8), shared if shared is not None else nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(self.own(x)))
+
+
+class _SharedModuleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        first = _SharingBlock()
+        self.blocks = nn.ModuleList([first, _SharingBlock(shared=first.shared)])  # one Linear, two blocks
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks[1](self.blocks[0](x))).pow(2).mean()
+
+
+def test_a_module_shared_by_two_units_is_gathered_where_it_is_called() -> None:
+    """The second block's call of the shared Linear found its weight empty ("mat2 must be a
+    matrix, got 1-D tensor"): only a Parameter registered twice was seen as shared, not a module."""
+    import zero_offload
+
+    cfg = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, "optimizer": {"lr": 1e-2},
+           "stage3": {"unit_modules": ["_SharingBlock"], "live_budget_bytes": 1 << 20}}
+    engine, ref = zero_offload.initialize(_SharedModuleNet(), cfg), _SharedModuleNet()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x))
+        engine.step()
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.consolidated_state_dict()
+    engine.close()
+    worst, err = max_rel_err(got, {k: v.detach() for k, v in ref.state_dict().items()})
+    assert err <= 1e-5, (worst, err)
+
+
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        return _Out(torch.tanh(self.fc(x)))
+
+
+def test_a_unit_returning_a_dataclass_is_gathered_for_its_backward() -> None:
+    """Its output tensor was not found, so no hook gathered the unit again for backward:
+    "setStorage: ... out of bounds for storage of size 0"."""
+    import zero_offload
+
+    cfg = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
+           "stage3": {"unit_modules": ["_DataclassBlock"], "live_budget_bytes": 1 << 20}}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _DataclassBlock())
+    engine = zero_offload.initialize(model, cfg)
+    engine.backward(engine(torch.randn(3, 4)).hidden.pow(2).mean())
+    assert engine.step()
+    engine.close()

@@ -16,6 +16,7 @@ returned here remove every hook.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -49,13 +50,17 @@ class _InputsGrad(torch.autograd.Function):
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples, lists and dicts (a module's output or arguments)."""
+    """Every tensor inside nested tuples, lists, dicts and dataclasses (a module's output or
+    arguments). A unit whose output tensors are not found here is not gathered again for its
+    backward, which then fails on the empty parameters."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for o in obj for t in _tensors(o)]
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _tensors(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
     return []
 
 

@@ -10,8 +10,10 @@ belongs to exactly one unit.
 
 Users. Each root "uses" its unit: it is gathered around the root's forward. A module that
 registers a parameter owned by a unit that does not enclose it (the tied LM head reading the
-embedding's weight) also uses that unit. `need_bytes` of a user is what must be gathered at once
-while it runs: its units plus every enclosing unit; the live budget must cover the largest.
+embedding's weight) also uses that unit, and so does a module registered twice, under two units
+(one Linear shared by two blocks), for the units that own its parameters. `need_bytes` of a user
+is what must be gathered at once while it runs: its units plus every enclosing unit; the live
+budget must cover the largest.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ def plan_units(model: nn.Module, cfg: Stage3Config, elem: int) -> Plan:
 
     def walk(module: nn.Module, prefix: str, chain: tuple[int, ...]) -> None:
         if id(module) in seen:
+            _revisit(module, chain)
             return
         seen.add(id(module))
         if module in roots:
@@ -110,6 +113,14 @@ def plan_units(model: nn.Module, cfg: Stage3Config, elem: int) -> Plan:
         for name, child in module._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{name}.", chain)
+
+    def _revisit(module: nn.Module, chain: tuple[int, ...]) -> None:
+        """A module registered a second time, under another unit (one Linear shared by two
+        blocks): when called from there it uses the units that own its parameters."""
+        foreign = {owner[id(p)] for p in module.parameters() if owner.get(id(p)) not in chain and id(p) in owner}
+        if foreign:
+            users.setdefault(module, set()).update(foreign)
+            chains[module] = tuple(sorted(set(chains.get(module, ())) | set(chain) | users[module]))
 
     walk(model, "", ())
     return _drop_empty(units, {m: tuple(sorted(s)) for m, s in users.items()}, chains)
