@@ -402,3 +402,52 @@ def test_a_larger_shard_registered_later_replaces_the_ring(tmp_path: Path) -> No
     access.release(region)
     access.close()
     store.close()
+
+
+def test_a_plan_while_a_flush_settles_places_nothing_until_it_has() -> None:
+    """flush() forgot the regions and settled them outside the lock: a plan from another thread
+    meanwhile read 'a' into memory its own write-back was still being written from (a review's
+    finding; the engine plans and flushes from one thread, so it was latent)."""
+    gate = threading.Event()
+
+    class SlowWrite(LazyStore):
+        def write(self, key: str, src: torch.Tensor) -> Handle:
+            h = super().write(key, src)
+            return Handle(lambda: (gate.wait(5), h.wait()), src)
+
+    store = SlowWrite()
+    _fill(store, {"a": 1024})
+    ring = StagingRing(store, span(1024))
+    ring.plan([("a", 1024)])
+    r = ring.acquire("a", 1024)
+    ring.release(r)  # its write-back is held open by the gate
+    flushing = threading.Thread(target=ring.flush)
+    flushing.start()
+    threading.Event().wait(0.1)  # flush is now settling 'a', waiting for its write-back
+    ring.plan([("a", 1024)])
+    threading.Event().wait(0.2)  # time for a prefetch thread that ignored the flush to read
+    gate.set()
+    flushing.join()
+    assert store.violations == []
+    ring.release(ring.acquire("a", 1024))  # once settled, the plan goes on
+    ring.close()
+
+
+def test_acquire_on_a_closed_ring_is_an_error_not_a_wait() -> None:
+    store = LazyStore()
+    _fill(store, {"a": 1024})
+    ring = StagingRing(store, span(1024))
+    ring.close()
+    outcome: list[BaseException | None] = []
+
+    def acquire() -> None:
+        try:
+            ring.acquire("a", 1024)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+    waiter = threading.Thread(target=acquire, daemon=True)  # it used to wait for ever
+    waiter.start()
+    waiter.join(10)
+    assert outcome and isinstance(outcome[0], RuntimeError), outcome
+    assert "the staging ring is closed: shard 'a' cannot be staged" in str(outcome[0])

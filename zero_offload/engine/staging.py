@@ -129,6 +129,7 @@ class StagingRing:
         self._stale: dict[str, str] = {}  # key -> why the drive's copy is older (until rewritten)
         self._dead: str | None = None  # the prefetch thread stopped: why
         self._closing = False
+        self._flushing = 0  # flushes settling regions they took out: nothing is placed meanwhile
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="zero-offload-prefetch", daemon=True)
         self._thread.start()
@@ -194,6 +195,8 @@ class StagingRing:
             self._stale.pop(key, None)
 
     def _raise_if_unusable(self, key: str) -> None:
+        if self._closing:
+            raise RuntimeError(f"the staging ring is closed: shard {key!r} cannot be staged")
         if self._error is not None:
             raise self._error
         if key in self._stale:
@@ -236,14 +239,21 @@ class StagingRing:
                 self._cond.wait()
             regions, self._regions, self._index, self._head = self._regions, [], {}, 0
             err, self._error = self._error, None
-        for r in regions:
-            try:
-                r.settle()
-            except BaseException as exc:
-                err = err or exc
-        with self._cond:
+            # Until they settle, the forgotten regions' memory may still be written back from
+            # or read into: a plan or demand meanwhile must not place a region over them.
+            self._flushing += 1
+        try:
             for r in regions:
-                self._note_failure(r)
+                try:
+                    r.settle()
+                except BaseException as exc:
+                    err = err or exc
+        finally:
+            with self._cond:
+                for r in regions:
+                    self._note_failure(r)
+                self._flushing -= 1
+                self._cond.notify_all()
         if err is not None and not after_error:
             raise err
         return sum(12 * r.numel for r in regions if r.unused)
@@ -312,7 +322,7 @@ class StagingRing:
         """Under the lock: wait for a shard to place and room for it; None when closing."""
         while not self._closing:
             entry = self._demand or (self._plan[0] if self._plan else None)
-            if entry is None or self._error is not None:
+            if entry is None or self._error is not None or self._flushing:
                 self._cond.wait()
                 continue
             key, numel = entry
