@@ -123,7 +123,8 @@ struct zo_aio_engine {
 };
 
 extern "C" zo_aio_engine* zo_aio_create(int threads, int queue_depth) {
-    if (threads < 1 || queue_depth < 1 || threads * queue_depth > 4096) return nullptr;
+    // Compared without multiplying: threads * queue_depth may overflow int and start no worker.
+    if (threads < 1 || queue_depth < 1 || threads > 4096 / queue_depth) return nullptr;
     auto* eng = new zo_aio_engine();
     for (int i = 0; i < threads * queue_depth; ++i) eng->workers.emplace_back([eng] { eng->work(); });
     return eng;

@@ -210,3 +210,22 @@ def test_native_engine_starts_threads_times_queue_depth_workers() -> None:
     assert io.workers == 15
     io.close()
     assert io.workers == 0
+
+
+def test_a_path_that_cannot_be_opened_fails_at_wait_with_the_same_message(io: AIOBackend, tmp_path: Path) -> None:
+    """The native backend raised the bare FileNotFoundError from read() itself; both now report
+    it from wait(), naming the operation, the file and the offset."""
+    missing = str(tmp_path / "no" / "such")
+    fut = io.read(missing, 0, aligned_empty(4096))
+    with pytest.raises(OSError, match=r"read of .*no/such at offset 0 failed: No such file or directory"):
+        fut.wait()
+
+
+@pytest.mark.skipif(not NATIVE, reason="native library not built")
+def test_native_engine_refuses_worker_counts_whose_product_overflows() -> None:
+    """65537 x 65535 overflows int to a small number: the engine was made with no worker at all,
+    and every request waited for ever."""
+    from zero_offload.io.native_aio import NativeAIO
+
+    with pytest.raises(ValueError, match="native async I/O refused threads=65537 queue_depth=65535"):
+        NativeAIO(threads=65537, queue_depth=65535, block_size=1 << 20)

@@ -102,3 +102,11 @@ def test_pool_under_contention_never_exceeds_budget() -> None:
         t.join(timeout=20)
     assert not any(t.is_alive() for t in threads)
     assert peak[0] <= 64 << 10 and pool.in_use_bytes == 0
+
+
+def test_negative_sizes_are_refused() -> None:
+    """A negative size sliced from the end: BufferPool.acquire(-5) returned 4091 bytes."""
+    with pytest.raises(ValueError, match="aligned_empty: nbytes must be >= 0, got -5"):
+        aligned_empty(-5)
+    with pytest.raises(ValueError, match="BufferPool.acquire: nbytes must be >= 0, got -5"):
+        BufferPool(1 << 20).acquire(-5)

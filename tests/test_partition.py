@@ -63,3 +63,16 @@ def test_flatten_every_path_gives_the_same_padded_buffer(aligned: bool, scale: f
     assert all(flat.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in tensors)
     if aligned:
         assert flat.data_ptr() % 4096 == 0
+
+
+@pytest.mark.parametrize("aligned,scale", [(True, 1.0), (True, 0.5), (False, 1.0), (False, 0.5)])
+def test_flatten_refuses_a_tensor_of_the_wrong_size(aligned: bool, scale: float) -> None:
+    """A (2,) tensor for a (2, 2) place was broadcast, or left uninitialized memory behind it,
+    or gave a buffer shorter than the layout, depending on the path."""
+    layout = FlatLayout.build([(3,), (2, 2)], 3, align=4)
+    with pytest.raises(ValueError, match=r"FlatLayout.flatten: tensor 1 has 2 elements, its place in the layout is \(2, 2\)"):
+        layout.flatten([torch.ones(3), torch.ones(2)], scale=scale, aligned=aligned)
+    with pytest.raises(ValueError, match="FlatLayout.flatten: 1 tensors for a layout of 2"):
+        layout.flatten([torch.ones(3)], scale=scale, aligned=aligned)
+    with pytest.raises(ValueError, match="FlatLayout.shard_from: tensor 1 has 1 elements"):
+        layout.shard_from([torch.ones(3), torch.ones(1)], 0, torch.empty(layout.shard_numel))

@@ -45,3 +45,16 @@ def test_recorder_is_off_by_default_and_writes_chrome_trace(tmp_path: object) ->
     assert set(complete) == {"main work", "fetch blocks.1"} and complete["main work"]["args"] == {"unit": "blocks.0"}
     assert complete["fetch blocks.1"]["cat"] == "transfer" and complete["fetch blocks.1"]["tid"] != complete["main work"]["tid"]
     assert "zo-prefetch_0" in threads
+
+
+def test_threads_are_named_by_what_they_were_not_by_a_reused_ident() -> None:
+    """The OS hands a finished thread's ident to the next one: spans of later threads were shown
+    under the first one's name."""
+    tracer = Tracer(enabled=True)
+    for i in range(6):
+        t = threading.Thread(target=lambda: tracer.add("work", "compute", 0, 1), name=f"worker-{i}")
+        t.start()
+        t.join()
+    events = tracer.to_chrome()["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert sorted(names[e["tid"]] for e in events if e["ph"] == "X") == [f"worker-{i}" for i in range(6)]

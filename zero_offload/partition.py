@@ -88,6 +88,7 @@ class FlatLayout:
         page-aligned unless `aligned=False`: a buffer bound for the drive (an nvme grads tier)
         then needs no bounce copy, while one kept in memory is exactly its own storage, which a
         resident store can hold without copying (Store.adopt)."""
+        self._check_count(tensors, "flatten")
         dtype = dtype or tensors[0].dtype
         device = tensors[0].device
         host_aligned = device.type == "cpu" and aligned
@@ -97,12 +98,17 @@ class FlatLayout:
             # each call from Python is slow (~30 us: the compute has just flushed the caches).
             # At least two tensors (the padding counts): of one, it would return a view, not a copy.
             pad = [torch.zeros(self.padding, dtype=dtype, device=device)] if self.padding else []
-            return torch._utils._flatten_dense_tensors([*tensors, *pad])
+            flat = torch._utils._flatten_dense_tensors([*tensors, *pad])
+            if flat.numel() != self.padded_numel:  # one check for all: a wrong size shifts every later one
+                self._check_sizes(tensors, "flatten")
+            return flat
         if host_aligned:
             flat = aligned_tensor(self.padded_numel, dtype, huge_pages=False)
         else:
             flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
         for view, t in zip(self.views(flat), tensors):
+            if t.numel() != view.numel():  # copy_ would broadcast, mul(out=) resize
+                self._check_sizes(tensors, "flatten")
             if scale == 1.0:
                 view.copy_(t)
             else:
@@ -111,8 +117,21 @@ class FlatLayout:
             flat[self.numel:].zero_()
         return flat
 
+    def _check_count(self, tensors: Sequence[torch.Tensor], op: str) -> None:
+        if len(tensors) != len(self.shapes):
+            raise ValueError(f"FlatLayout.{op}: {len(tensors)} tensors for a layout of {len(self.shapes)}")
+
+    def _check_sizes(self, tensors: Sequence[torch.Tensor], op: str) -> None:
+        """Raise naming the first tensor whose size is not its shape's."""
+        for i, (t, shape) in enumerate(zip(tensors, self.shapes)):
+            if t.numel() != shape.numel():
+                raise ValueError(f"FlatLayout.{op}: tensor {i} has {t.numel()} elements, its place in the "
+                                 f"layout is {tuple(shape)} ({shape.numel()} elements)")
+
     def shard_from(self, tensors: Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:
         """Copy rank's shard of `tensors` into `out` (shard_numel elements; padding zeroed)."""
+        self._check_count(tensors, "shard_from")
+        self._check_sizes(tensors, "shard_from")
         out.zero_()
         for p in self.pieces(rank):
             src = tensors[p.index].reshape(-1)[p.param_offset:p.param_offset + p.numel]

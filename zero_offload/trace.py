@@ -43,15 +43,15 @@ class Tracer:
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self.spans: list[Span] = []
-        self._thread_names: dict[int, str] = {}
+        # The OS reuses a finished thread's ident: a trace thread is (ident, name), numbered here.
+        self._tids: dict[tuple[int, str], int] = {}
 
     def add(self, name: str, cat: str, start_ns: int, end_ns: int, **args: object) -> None:
         """Record a span that already happened (times from time.perf_counter_ns)."""
         if not self.enabled:
             return
-        tid = threading.get_ident()
-        if tid not in self._thread_names:
-            self._thread_names[tid] = threading.current_thread().name
+        thread = (threading.get_ident(), threading.current_thread().name)
+        tid = self._tids.setdefault(thread, len(self._tids) + 1)
         self.spans.append(Span(name, cat, start_ns, end_ns, tid, dict(args)))
 
     @contextlib.contextmanager
@@ -67,13 +67,14 @@ class Tracer:
 
     def clear(self) -> None:
         self.spans = []
+        self._tids = {}
 
     def to_chrome(self) -> dict:
         """The Chrome trace-event format: complete ('X') events in microseconds, plus thread names."""
         pid = os.getpid()
         t0 = min((s.start_ns for s in self.spans), default=0)
         events: list[dict] = [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-                              for tid, name in self._thread_names.items()]
+                              for (_, name), tid in self._tids.items()]
         for s in self.spans:
             events.append({"ph": "X", "pid": pid, "tid": s.tid, "name": s.name, "cat": s.cat,
                            "ts": (s.start_ns - t0) / 1e3, "dur": (s.end_ns - s.start_ns) / 1e3, "args": s.args})

@@ -37,6 +37,8 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False,
     """
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if nbytes < 0:
+        raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
     pin = pin and torch.cuda.is_available()
     size = round_up(max(nbytes, 1), alignment)
     huge = huge_pages and not pin and size >= HUGE_PAGE
@@ -91,6 +93,8 @@ class BufferPool:
         A request larger than the whole budget can never be served and raises at once;
         `timeout` (seconds) bounds the wait with a TimeoutError.
         """
+        if nbytes < 0:
+            raise ValueError(f"BufferPool.acquire: nbytes must be >= 0, got {nbytes}")
         size = round_up(max(nbytes, 1), self.alignment)
         if size > self.budget:
             raise ValueError(f"buffer of {nbytes} bytes exceeds the pool budget of {self.budget} bytes")

@@ -6,13 +6,14 @@ threads (the prefetcher, the optimizer) keep running while the drive works.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from typing import Any
 
 from zero_offload import native
-from zero_offload.io.base import (AIOBackend, ChecksumError, FileRef, IOFuture, eof_error, file_label,
-                                  io_error, open_path)
+from zero_offload.io.base import (AIOBackend, ChecksumError, DoneFuture, FileRef, IOFuture, eof_error,
+                                  file_label, io_error, open_path)
 from zero_offload.io.checksum import ChecksumView
 
 _P = ctypes.c_void_p
@@ -114,7 +115,10 @@ class NativeAIO(AIOBackend):
             raise RuntimeError("native async I/O backend is closed")
         owned = None
         if isinstance(file, str):
-            owned, _ = open_path(file, write=write)
+            try:
+                owned, _ = open_path(file, write=write)
+            except OSError as exc:  # reported by wait(), as the aiofiles backend does
+                return DoneFuture(io_error("write" if write else "read", file, offset, exc.errno or errno.EIO))
         fd = owned if owned is not None else file
         sums = checksums.address() if checksums is not None else None
         req = self._lib.zo_aio_submit(self._eng, 1 if write else 0, fd, offset, addr, length, chunk, sums)

@@ -28,6 +28,15 @@ class Handle:
         return self._result
 
 
+def check_tensor(tier: str, key: str, t: torch.Tensor, numel: int, dtype: torch.dtype) -> None:
+    """One rule for every tier: a transfer moves exactly the key's elements in the key's dtype.
+    A resident copy would broadcast a smaller tensor or convert another dtype, while the nvme
+    tier would reinterpret bytes: refused alike, naming the key."""
+    if t.numel() != numel or t.dtype != dtype:
+        raise ValueError(f"store {tier}: key {key!r} holds {numel} x {dtype}, got a tensor of "
+                         f"{t.numel()} x {t.dtype}")
+
+
 class Store(ABC):
     """Bytes of one state group on one tier, by key."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from zero_offload.io.buffers import round_up
-from zero_offload.store.base import Handle, Store
+from zero_offload.store.base import Handle, Store, check_tensor
 
 
 class NvmeStore(Store):
@@ -26,12 +26,14 @@ class NvmeStore(Store):
         self._meta: dict[str, tuple[int, torch.dtype]] = {}
         self._read_bytes = 0
         self._written_bytes = 0
+        self._peak = 0
 
     def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
         if key in self._meta:
             raise KeyError(f"store nvme: key {key!r} is already allocated")
         self._swap.register(key, numel * torch.empty((), dtype=dtype).element_size())
         self._meta[key] = (numel, dtype)
+        self._peak = max(self._peak, self.bytes_retained())
 
     def staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A page-aligned (pinned where CUDA is) 1-D buffer: the swap store's fast path."""
@@ -39,8 +41,11 @@ class NvmeStore(Store):
         return self._swap.alloc_buffer(round_up(max(nbytes, 1)))[:nbytes].view(dtype)
 
     def _host(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` as a flat host tensor, once its size and dtype are checked: the slot holds raw
+        bytes, so another dtype of the same byte count would be reinterpreted, not converted."""
         if key not in self._meta:
             raise KeyError(f"store nvme: no key {key!r} (allocate it first)")
+        check_tensor(self.tier, key, t, *self._meta[key])
         return t.reshape(-1) if t.device.type == "cpu" else t.detach().to("cpu").reshape(-1)
 
     def write(self, key: str, src: torch.Tensor) -> Handle:
@@ -54,6 +59,9 @@ class NvmeStore(Store):
             fut = self._swap.read(key, self._host(key, dst))
             self._read_bytes += dst.numel() * dst.element_size()
             return Handle(fut.wait, dst)
+        if key not in self._meta:
+            raise KeyError(f"store nvme: no key {key!r} (allocate it first)")
+        check_tensor(self.tier, key, dst, *self._meta[key])
         bounce = self.staging_buffer(*self._meta[key])
         fut = self._swap.read(key, bounce)
         self._read_bytes += bounce.numel() * bounce.element_size()
@@ -75,7 +83,8 @@ class NvmeStore(Store):
         return int(self._swap.bytes_retained())
 
     def peak_bytes(self) -> int:
-        return self.bytes_retained()
+        """High-water mark of bytes_retained (a slot freed after a failed add still counted)."""
+        return self._peak
 
     @property
     def bounced_transfers(self) -> int:

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from zero_offload.store.base import Handle, Store
+from zero_offload.store.base import Handle, Store, check_tensor
 
 
 def copy_async(dst: torch.Tensor, src: torch.Tensor) -> Handle:
@@ -76,10 +76,14 @@ class ResidentStore(Store):
             raise KeyError(f"store {self.tier}: no key {key!r} (allocate it first)") from None
 
     def write(self, key: str, src: torch.Tensor) -> Handle:
-        return copy_async(self._get(key), src.reshape(-1))
+        held = self._get(key)
+        check_tensor(self.tier, key, src, held.numel(), held.dtype)
+        return copy_async(held, src.reshape(-1))
 
     def read(self, key: str, dst: torch.Tensor) -> Handle:
-        return copy_async(dst.view(-1), self._get(key))
+        held = self._get(key)
+        check_tensor(self.tier, key, dst, held.numel(), held.dtype)
+        return copy_async(dst.view(-1), held)
 
     def adopt(self, key: str, t: torch.Tensor) -> bool:
         """Keep `t` as key's tensor: no copy (a gradient held until step(), a partial sum between
