@@ -3,7 +3,9 @@
 //
 // Every ISA kernel performs the SAME float operations in the SAME order as the scalar kernel
 // and never fuses a multiply-add, so all paths give bit-identical results: the scalar file is
-// the oracle and the tests compare the fast paths to it bit for bit.
+// the oracle and the tests compare the fast paths to it bit for bit. (Not NaN payloads: where
+// two different NaNs meet in a commutative add, the compiler's operand order picks the one kept.)
+// The pool's workers run with the caller's MXCSR (flush-to-zero, denormals-are-zero, rounding).
 #pragma once
 #include <cstdint>
 

@@ -15,9 +15,11 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <vector>
+#include <xmmintrin.h>
 
 #include "adam.h"
 #include "zo_cpuid.h"
@@ -42,6 +44,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = &job;
+      csr_ = _mm_getcsr();  // workers run with the caller's FTZ/DAZ and rounding mode
       active_ = n;
       pending_ = n - 1;
       ++generation_;
@@ -80,14 +83,19 @@ class Pool {
   void loop(int id, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;
+      unsigned csr;
       {
         std::unique_lock<std::mutex> lock(mu_);
         wake_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
         if (id >= active_) continue;  // this call needs fewer threads than the pool holds
         job = job_;
+        csr = csr_;
       }
+      const unsigned saved = _mm_getcsr();
+      _mm_setcsr(csr);
       (*job)(id);
+      _mm_setcsr(saved);
       std::lock_guard<std::mutex> lock(mu_);
       if (--pending_ == 0) done_.notify_one();
     }
@@ -97,12 +105,17 @@ class Pool {
   std::condition_variable wake_, done_;
   const std::function<void(int)>* job_ = nullptr;
   uint64_t generation_ = 0;
+  unsigned csr_ = 0;
   int workers_ = 0, active_ = 0, pending_ = 0;
 };
 
 std::mutex g_call_mu;  // one zo_adam_step at a time
 Pool* g_pool = nullptr;
 pid_t g_pool_pid = 0;
+
+// A child forked while another thread held g_call_mu would wait on it for ever: give it a fresh one.
+void renew_after_fork() { new (&g_call_mu) std::mutex(); }
+const int g_atfork = pthread_atfork(nullptr, nullptr, renew_after_fork);
 
 // A forked child inherits the pool's bookkeeping but not its threads: it gets a fresh pool
 // (the old object is leaked on purpose; its mutex may have been held at fork time).

@@ -167,7 +167,9 @@ def test_closure_is_called_with_grad_enabled() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(amsgrad=True), "CPUAdam: amsgrad=True is not implemented"),
     (dict(maximize=True), "CPUAdam: maximize=True is not implemented"),
-    (dict(lr=-1.0), "CPUAdam: invalid learning rate -1.0"),
+    (dict(lr=-1.0), "CPUAdam: invalid lr -1.0"),
+    (dict(lr=float("inf")), "CPUAdam: invalid lr inf"),
+    (dict(weight_decay=float("nan")), "CPUAdam: invalid weight_decay nan"),
     (dict(betas=(0.9, 1.0)), "CPUAdam: invalid betas[1] 1.0"),
     (dict(isa="neon"), "isa='neon': unknown ISA"),
 ])
@@ -215,3 +217,28 @@ def test_bench_adam_command_measures_every_case(capsys: pytest.CaptureFixture) -
             "cpu_adam_one", "cpu_adam_many"} <= report["rows"].keys()
     assert all(row["seconds"] > 0 for row in report["rows"].values())
     assert set(report["ratios"]) >= {"a_vs_torch_fused", "a_vs_bandwidth", "b_vs_torch_same_work", "c_many_vs_one"}
+
+
+def test_a_state_dict_of_another_model_is_refused_not_stepped_out_of_bounds() -> None:
+    """load_state_dict casts dtype and device only: moments of 2 elements for a parameter of
+    1000 went to the kernel with the parameter's count (a segfault, before the check)."""
+    small, big = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1000))
+    donor = CPUAdamW([small], lr=1e-2)
+    small.grad = torch.ones(2)
+    donor.step()
+    opt = CPUAdamW([big], lr=1e-2)
+    opt.load_state_dict(donor.state_dict())
+    big.grad = torch.ones(1000)
+    with pytest.raises(ValueError, match=r"param 0 \(1000 elements\) has exp_avg of 2 .*a state dict of another model"):
+        opt.step()
+
+
+def test_a_gradient_of_another_size_is_refused() -> None:
+    """torch lets `p.grad.data` be swapped for a tensor of another size; the kernel then read
+    past its end and wrote garbage into the weights, silently."""
+    p = torch.nn.Parameter(torch.ones(1000))
+    p.grad = torch.ones(1000)
+    p.grad.data = torch.ones(3)
+    with pytest.raises(ValueError, match="param 0 has 1000 elements, its gradient 3"):
+        CPUAdamW([p], lr=1e-2).step()
+    assert torch.equal(p.detach(), torch.ones(1000))

@@ -218,6 +218,7 @@ def _flat_args(n: int = 8) -> dict:
 
 
 HYPER = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False)
+_SHARED, _WIDE = torch.zeros(8), torch.zeros(16)  # one tensor as two arguments; overlapping views
 
 
 @pytest.mark.parametrize("change, message", [
@@ -227,9 +228,16 @@ HYPER = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0
     (dict(grad=torch.zeros(16)[::2]), "grad must be contiguous"),
     (dict(lowp_out=torch.zeros(8, dtype=torch.int32)), "lowp_out must be float32, bfloat16 or float16, got torch.int32"),
     (dict(lowp_out=torch.zeros(7)), "lowp_out has 7 elements, param has 8"),
-    (dict(step=0), "step must be a whole number >= 1, got 0"),
+    (dict(step=0), "step must be a whole number in [1, 2**63), got 0"),
     (dict(isa="sse9"), "isa='sse9': unknown ISA; choose one of scalar, avx2, avx512"),
     (dict(threads=-1), "threads=-1: expected a whole number >= 0"),
+    (dict(step=2**64 + 5), "step must be a whole number in [1, 2**63)"),  # wrapped to step 5 in the ABI struct
+    (dict(beta1=1.0), "invalid betas[0] 1.0"),
+    (dict(lr=float("nan")), "invalid lr nan"),
+    (dict(eps=-1.0), "invalid eps -1.0"),
+    (dict(grad_scale=float("inf")), "invalid grad_scale inf"),
+    (dict(exp_avg=_SHARED, exp_avg_sq=_SHARED), "exp_avg and exp_avg_sq overlap in memory"),
+    (dict(param=_WIDE[:8], lowp_out=_WIDE[4:12]), "param and lowp_out overlap in memory"),
 ])
 def test_bad_arguments_are_one_line_errors(change: dict, message: str) -> None:
     args = {**_flat_args(), **HYPER, **change}
@@ -316,3 +324,30 @@ def _run_from(p, m, v, grads, lrs, first_step: int) -> None:
     for step in range(first_step, len(grads) + 1):
         adam_step_flat(p, grads[step - 1], m, v, step=step, lr=lrs[step - 1], beta1=0.9, beta2=0.999,
                        eps=1e-8, weight_decay=0.1, decoupled=True)
+
+
+def test_a_gradient_may_share_memory_with_the_low_precision_copy() -> None:
+    """Every path reads the gradient at an index before writing the copy there: allowed."""
+    args = _flat_args()
+    g = torch.ones(8)
+    adam_step_flat(args["param"], g, args["exp_avg"], args["exp_avg_sq"], lowp_out=g, **HYPER)
+    assert torch.equal(g, args["param"])
+
+
+@needs_native
+def test_pool_threads_take_the_callers_denormal_mode() -> None:
+    """torch.set_flush_denormal sets the calling thread's MXCSR only: the pool's workers kept
+    the mode they were spawned with, so some blocks were flushed and others not."""
+    n = 1 << 21
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+
+    def flushed(threads: int) -> int:
+        p = torch.full((n,), 0x000B5000, dtype=torch.int32).view(torch.float32)  # ~1e-39, a denormal
+        adam_step_flat(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), threads=threads, **kw)
+        return int((p.view(torch.int32) == 0).sum())
+    flushed(2)  # the pool's threads are made here, in the default mode
+    torch.set_flush_denormal(True)
+    try:
+        assert [flushed(1), flushed(2), flushed(2)] == [n, n, n]
+    finally:
+        torch.set_flush_denormal(False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import warnings
 from typing import Any, Sequence
@@ -59,6 +60,19 @@ class AdamHyper(ctypes.Structure):
 
 
 @functools.cache
+def check_hyper(owner: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, grad_scale: Any = 1.0) -> None:
+    """One-line errors for hyperparameters no Adam accepts (NaN and infinity included: a NaN
+    fails every comparison, an infinite lr or decay turns every weight into NaN)."""
+    for name, value, low, high in (("lr", lr, 0.0, math.inf), ("eps", eps, 0.0, math.inf),
+                                   ("weight_decay", weight_decay, 0.0, math.inf),
+                                   ("betas[0]", betas[0], 0.0, 1.0), ("betas[1]", betas[1], 0.0, 1.0)):
+        if not (math.isfinite(float(value)) and low <= float(value) < high):
+            where = "[0, 1)" if high == 1.0 else ">= 0 and finite"
+            raise ValueError(f"{owner}: invalid {name} {value!r} (must be {where})")
+    if not (math.isfinite(float(grad_scale)) and float(grad_scale) > 0.0):
+        raise ValueError(f"{owner}: invalid grad_scale {grad_scale!r} (must be > 0 and finite)")
+
+
 def _lib() -> ctypes.CDLL | None:
     """The native library with our signatures declared, or None (load_reason() says why)."""
     handle = native.lib()

@@ -21,15 +21,7 @@ Items = list[tuple[torch.Tensor, torch.Tensor, dict]]  # (param, grad, its state
 
 def _check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
     """One-line errors for values torch would also refuse."""
-    if not 0.0 <= float(lr):
-        raise ValueError(f"CPUAdam: invalid learning rate {lr!r} (must be >= 0)")
-    if not 0.0 <= float(eps):
-        raise ValueError(f"CPUAdam: invalid eps {eps!r} (must be >= 0)")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= float(beta) < 1.0:
-            raise ValueError(f"CPUAdam: invalid betas[{i}] {beta!r} (must be in [0, 1))")
-    if not 0.0 <= float(weight_decay):
-        raise ValueError(f"CPUAdam: invalid weight_decay {weight_decay!r} (must be >= 0)")
+    _native_adam.check_hyper("CPUAdam", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -113,6 +105,13 @@ class CPUAdam(torch.optim.Optimizer):
         for i, p in live:
             self._check_param(index, i, p)
         items = [(p, p.grad, self._state_of(p)) for _, p in live]
+        for (i, p), (_, g, s) in zip(live, items):
+            if g.numel() != p.numel():
+                raise ValueError(f"{type(self).__name__}: group {index} param {i} has {p.numel()} elements, its gradient {g.numel()}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                if s[key].numel() != p.numel() or s[key].dtype != torch.float32 or s[key].device.type != "cpu":
+                    raise ValueError(f"{type(self).__name__}: group {index} param {i} ({p.numel()} elements) has "
+                                     f"{key} of {s[key].numel()} {s[key].dtype} on {s[key].device} (a state dict of another model?)")
         if items:
             torch._foreach_add_([s["step"] for _, _, s in items], 1.0)  # one call, not one per tensor
         return items

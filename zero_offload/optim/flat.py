@@ -42,8 +42,24 @@ def _check_args(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         _check_cpu_contiguous("lowp_out", lowp_out, n)
         if lowp_out.dtype not in _native_adam.OUT_DTYPES:
             raise ValueError(f"adam_step_flat: lowp_out must be float32, bfloat16 or float16, got {lowp_out.dtype}")
-    if isinstance(step, bool) or int(step) != step or step < 1:
-        raise ValueError(f"adam_step_flat: step must be a whole number >= 1, got {step!r}")
+    _check_disjoint(param, grad, exp_avg, exp_avg_sq, lowp_out)
+    if isinstance(step, bool) or int(step) != step or not 1 <= step < 2**63:
+        raise ValueError(f"adam_step_flat: step must be a whole number in [1, 2**63), got {step!r}")
+
+
+def _check_disjoint(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    lowp_out: torch.Tensor | None) -> None:
+    """No two tensors may share bytes (the same tensor passed as exp_avg and exp_avg_sq would
+    be updated twice over): compared by byte range, since the staging ring hands out master, m
+    and v as adjacent views of one buffer. A gradient read at the index lowp_out then writes is
+    the one overlap every path allows."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+                             ("lowp_out", lowp_out), ("grad", grad)) if t is not None and t.numel()]
+    for i, (a, lo_a, hi_a) in enumerate(spans):
+        for b, lo_b, hi_b in spans[i + 1:]:
+            if lo_a < hi_b and lo_b < hi_a and (a, b) != ("lowp_out", "grad"):
+                raise ValueError(f"adam_step_flat: {a} and {b} overlap in memory")
 
 
 def adam_step_flat(
@@ -79,6 +95,8 @@ def adam_step_flat(
     the process defaults (see _native_adam).
     """
     _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
+    _native_adam.check_hyper("adam_step_flat", lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                             grad_scale=grad_scale)
     threads = _native_adam.resolve_threads(threads)
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  decoupled=decoupled, grad_scale=grad_scale, check_finite=check_finite)
