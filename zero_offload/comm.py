@@ -7,14 +7,33 @@ an equivalent composition here, and only here.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for every rank
+
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def join_launcher_group() -> bool:
+    """Under torchrun (WORLD_SIZE > 1 in the environment) with no process group yet, create the
+    one the launcher describes: NCCL when CUDA is present, gloo otherwise. Without this every
+    rank would silently train a replica of its own at D = 1. True when this call created it;
+    a group the user made first is used as it is."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if is_distributed() or not world.isdigit() or int(world) <= 1:
+        return False
+    missing = [v for v in LAUNCHER_VARS if not os.environ.get(v)]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch with torchrun, or call "
+                           "torch.distributed.init_process_group before zero_offload.initialize")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
 
 
 def world_size() -> int:

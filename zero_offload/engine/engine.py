@@ -72,7 +72,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, *, init_fn: Any = None,
                  weights: str | None = None) -> None:
         self.config = config
-        self.device = _device_for(model)
+        self.device = _device_for(model)  # before a NCCL group is made: it binds to the current device
+        self.created_group = comm.join_launcher_group()
         self.dtype = DTYPES[config.precision.dtype]
         self.orig_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
         self.phase = PhaseMachine()
