@@ -16,6 +16,7 @@ from zero_offload import cli, ledger
 from zero_offload.bench import adam as bench_adam
 from zero_offload.bench import io as bench_io
 from zero_offload.config import Config, ConfigError
+from zero_offload.deepspeed_compat import config_from_deepspeed
 from zero_offload.io import swap_files
 
 Z = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
@@ -283,3 +284,33 @@ def test_swap_dir_that_was_created_is_removed(tmp_path: Path) -> None:
     assert os.path.isdir(f.dir)
     f.remove()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("world,ds,steps", [
+    ("1", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 8),
+    ("2", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 4),
+    ("2", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 4),
+    ("1", {"train_micro_batch_size_per_gpu": 4}, 1),
+])
+def test_deepspeed_batch_sizes_give_the_accumulation_steps(world: str, ds: dict, steps: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """They were accepted and dropped: a config DeepSpeed runs with 8 accumulation steps ran with 1."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert config_from_deepspeed({"zero_optimization": {"stage": 1}, **ds}).gradient_accumulation_steps == steps
+
+
+def test_deepspeed_batch_sizes_that_do_not_add_up_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"train_batch_size = 32 is not train_micro_batch_size_per_gpu = 4 x "
+                                          r"world size 3 \(WORLD_SIZE\) x a whole number"):
+        config_from_deepspeed(_ds(train_batch_size=32, train_micro_batch_size_per_gpu=4))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="x gradient_accumulation_steps 2 x world size 1"):
+        config_from_deepspeed(_ds(train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2))
+
+
+def test_deepspeed_weight_decay_left_out_is_deepspeeds_zero() -> None:
+    """DeepSpeed's Adam classes default to weight_decay=0; ours is 0.01, which a DeepSpeed config
+    without the key used to get."""
+    cfg = config_from_deepspeed(_ds(optimizer={"type": "AdamW", "params": {"lr": 1e-4}}))
+    assert cfg.optimizer.weight_decay == 0.0

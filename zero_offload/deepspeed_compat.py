@@ -2,8 +2,10 @@
 
 Only keys whose meaning we reproduce are mapped; any other key is an error that names it, so a
 setting the user relies on is never silently dropped. Keys DeepSpeed uses only for its own
-bookkeeping (batch sizes, logging) are listed in _INERT and accepted without effect, because
-they do not change what is stored where or how the step is computed.
+bookkeeping (logging) are listed in _INERT and accepted without effect, because they do not
+change what is stored where or how the step is computed. The batch sizes do: DeepSpeed derives
+the accumulation steps from them (train_batch_size = micro batch x accumulation x world size),
+and so do we, with the launcher's WORLD_SIZE.
 
 Every value we map is type-checked here, under its DeepSpeed name: JSON has no schema, and a
 Python `bool("false")` or `int(True)` would silently turn a slip into a setting.
@@ -11,14 +13,14 @@ Python `bool("false")` or `int(True)` would silently turn a slip into a setting.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Mapping
 
 from zero_offload.config import Config, ConfigError
 
-_INERT = {"train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown",
-          "zero_allow_untested_optimizer", "dump_state"}
+_INERT = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state"}
 _TOP = {"zero_optimization", "bf16", "fp16", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
-        "aio"} | _INERT
+        "aio", "train_batch_size", "train_micro_batch_size_per_gpu"} | _INERT
 # contiguous_gradients is accepted because we always lay gradients out contiguously.
 _ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
          "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold"}
@@ -137,9 +139,11 @@ def _betas(value: Any) -> tuple[float, float]:
 
 
 def _adam_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """lr, eps, weight_decay and betas, each checked under its DeepSpeed name."""
+    """lr, eps, weight_decay and betas, each checked under its DeepSpeed name. A weight_decay
+    left out is DeepSpeed's default, 0 (its Adam classes'), not ours (0.01)."""
     out: dict[str, Any] = {k: _number(params[k], f"optimizer.params.{k}")
                            for k in ("lr", "eps", "weight_decay") if k in params}
+    out.setdefault("weight_decay", 0.0)
     if "betas" in params:
         out["betas"] = _betas(params["betas"])
     return out
@@ -195,12 +199,29 @@ def _pin_memory(zero: Mapping[str, Any]) -> dict[str, Any]:
     return {"pin_memory": any(pins)} if pins else {}
 
 
+def _accumulation(data: Mapping[str, Any]) -> int | None:
+    """gradient_accumulation_steps as DeepSpeed has it: given, or derived from train_batch_size =
+    train_micro_batch_size_per_gpu x steps x world size (WORLD_SIZE, as torchrun sets it); all
+    three given must agree."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    total, micro, steps = (_number(data[k], k, integer=True) if k in data else None for k in keys)
+    if total is None or micro is None:
+        return steps
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    derived, rest = divmod(total, micro * world) if micro > 0 else (0, 1)
+    if rest or derived < 1 or (steps is not None and steps != derived):
+        given = "" if steps is None else f" x gradient_accumulation_steps {steps}"
+        raise ConfigError(f"DeepSpeed train_batch_size = {total} is not train_micro_batch_size_per_gpu = {micro}"
+                          f"{given} x world size {world} (WORLD_SIZE){'' if steps is not None else ' x a whole number of accumulation steps'}")
+    return derived
+
+
 def _training(data: Mapping[str, Any]) -> dict[str, Any]:
     """gradient_accumulation_steps, gradient_clipping and the aio block."""
     out: dict[str, Any] = {}
-    if "gradient_accumulation_steps" in data:
-        out["gradient_accumulation_steps"] = _number(data["gradient_accumulation_steps"],
-                                                     "gradient_accumulation_steps", integer=True)
+    steps = _accumulation(data)
+    if steps is not None:
+        out["gradient_accumulation_steps"] = steps
     if "gradient_clipping" in data:
         out["clip_grad_norm"] = float(_number(data["gradient_clipping"], "gradient_clipping"))
     aio = _section(data, "aio", "")
