@@ -3,8 +3,9 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-# torch==2.13.0 is the CPU build that lies on this machine's disk; pinning it keeps pip from
-# ever resolving a multi-GB CUDA build.
+# torch==2.13.0: on the machines we develop on, pip's configured index serves the CPU build from
+# a local wheel directory; elsewhere set PIP_INDEX_URL=https://download.pytorch.org/whl/cpu, or
+# PyPI resolves the multi-GB CUDA build.
 DEPS := torch==2.13.0 numpy psutil aiofiles pytest tqdm setuptools wheel
 
 .PHONY: demo test native setup clean
@@ -23,8 +24,8 @@ setup: $(VENV)/.install-stamp
 native: $(VENV)/.deps-stamp
 	flock .build.lock $(VPY) setup.py -q build_ext --inplace
 
-# The main job: what loaded here, the ledger for the example model, then real training of it
-# at stage 3 with parameters and optimizer state on the nvme tier (a temporary directory).
+# The main job: what loaded here, the ledger for the example 29.5M GPT, then real training of a
+# smaller one (examples/train_gpt.py) at stage 3 with its state on the nvme tier (a temporary directory).
 demo: setup
 	$(VENV)/bin/zero-offload info
 	$(VENV)/bin/zero-offload estimate --model examples/models.py:gpt_small --stage 3 \
