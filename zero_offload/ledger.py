@@ -18,7 +18,7 @@ Offloading is a separate choice: it moves a group's bytes from the device column
 the dtype of their group: weights in the compute dtype, gradients in the compute dtype,
 optimizer state in fp32.
 
-These are IDEAL RETAINED bytes: they exclude activations, gathered (unsharded) layers at stage 3,
+These are IDEAL RETAINED bytes: they exclude activations, gathered (unsharded) units at stage 3,
 communication buckets, staging buffers, padding to a multiple of D, and allocator overhead.
 They are not a peak-memory prediction; the engine's memory report shows both side by side.
 """
@@ -31,7 +31,7 @@ from typing import Mapping
 GROUPS = ("weights", "gradients", "optimizer")
 TIER_OF_GROUP = {"weights": "params", "gradients": "grads", "optimizer": "optimizer"}
 TIER_COLUMNS = ("device", "cpu", "nvme")
-EXCLUDED = ("activations", "gathered (unsharded) layers at stage 3", "communication buckets",
+EXCLUDED = ("activations", "gathered (unsharded) units at stage 3", "communication buckets",
             "staging buffers", "padding to a multiple of D", "allocator overhead")
 
 
