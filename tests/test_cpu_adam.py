@@ -242,3 +242,14 @@ def test_a_gradient_of_another_size_is_refused() -> None:
     with pytest.raises(ValueError, match="param 0 has 1000 elements, its gradient 3"):
         CPUAdamW([p], lr=1e-2).step()
     assert torch.equal(p.detach(), torch.ones(1000))
+
+
+def test_betas_given_as_a_list_are_taken_as_torch_takes_them() -> None:
+    """torch.optim.Adam accepts betas=[0.9, 0.999]; a cache on the hyperparameter check made it
+    a TypeError (unhashable list) and grew by one entry per learning rate a scheduler set."""
+    from zero_offload.optim import _native_adam
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    CPUAdamW([p], lr=1e-2, betas=[0.9, 0.999]).step()
+    assert not hasattr(_native_adam.check_hyper, "cache_info") and hasattr(_native_adam._lib, "cache_info")

@@ -59,7 +59,6 @@ class AdamHyper(ctypes.Structure):
     ]
 
 
-@functools.cache
 def check_hyper(owner: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, grad_scale: Any = 1.0) -> None:
     """One-line errors for hyperparameters no Adam accepts (NaN and infinity included: a NaN
     fails every comparison, an infinite lr or decay turns every weight into NaN)."""
@@ -73,6 +72,7 @@ def check_hyper(owner: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any,
         raise ValueError(f"{owner}: invalid grad_scale {grad_scale!r} (must be > 0 and finite)")
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL | None:
     """The native library with our signatures declared, or None (load_reason() says why)."""
     handle = native.lib()
