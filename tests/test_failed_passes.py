@@ -195,3 +195,52 @@ def test_stage3_load_into_a_trained_engine_drops_the_units_read_ahead(tier: str,
     assert losses[0] == losses[1], losses
     trained.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_accumulation_cycle_stops_even_when_the_step_worker_failed_too(stage: int, tmp_path: object,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's Adam failed on the boundary micro-batch and then the backward raised: the
+    cleanup re-raised the worker's error before the engine could stop, and it trained on with
+    partial sums holding half a micro-batch (a review of the fix)."""
+    from test_step_failure import _fail_kernel_call
+
+    engine = _engine(stage, str(tmp_path), gradient_accumulation_steps=2)
+    _train(engine, range(2))
+    engine.backward(engine(_batch(2)))  # micro-batch 0 of a cycle: partial sums
+    engine.step()
+    _fail_kernel_call(monkeypatch, 1)
+    engine.module.b.fail_backward = True
+    with pytest.raises(RuntimeError):
+        engine.backward(engine(_batch(3)))
+    monkeypatch.undo()
+    engine.module.b.fail_backward = False
+    with pytest.raises(EngineStateError, match="a backward failed part way through a gradient-accumulation cycle"):
+        engine(_batch(4))
+    engine.close()
+
+
+def test_a_bucket_whose_hand_over_failed_counts_as_reduced(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its launch had taken the bucket's partial sum before the hand-over to the step raised;
+    the reducer said nothing was reduced yet, and the retried boundary stepped that bucket with
+    one micro-batch of two."""
+    from zero_offload.engine.shard_optimizer import ShardOptimizer
+
+    engine = _engine(1, str(tmp_path), gradient_accumulation_steps=2, clip_grad_norm=1.0)
+    _train(engine, range(2))
+    engine.backward(engine(_batch(2)))
+    engine.step()
+    real, calls = ShardOptimizer.grad_ready, []
+
+    def full_drive(self: ShardOptimizer, key: str, grad: torch.Tensor, **kw: object) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device (simulated)")
+        real(self, key, grad, **kw)
+    monkeypatch.setattr(ShardOptimizer, "grad_ready", full_drive)
+    with pytest.raises(OSError, match="No space left"):
+        engine.backward(engine(_batch(3)))
+    monkeypatch.undo()
+    with pytest.raises(EngineStateError, match="a backward failed part way"):
+        engine(_batch(3))
+    engine.close()

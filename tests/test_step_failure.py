@@ -139,9 +139,13 @@ def test_a_shard_whose_slot_cannot_be_written_is_not_added(tmp_path: object, mon
     opt.close()
 
 
-def _fails_on_rank_one(rank: int, world: int, stage: int) -> None:
+def _fails_on_rank_one(rank: int, world: int, stage: int, tmp: str) -> None:
+    import os
+
     import zero_offload
     from _engine_model import batch, make_model
+    from zero_offload import comm
+    from zero_offload.engine.engine import EngineStateError
 
     tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
     engine = zero_offload.initialize(make_model(), dict(stage=stage, tiers=tiers, bucket_bytes=4096))
@@ -151,20 +155,30 @@ def _fails_on_rank_one(rank: int, world: int, stage: int) -> None:
         engine.backward(engine(x[rank::world], y[rank::world]))
         return engine.step()
     assert train(0)
+    engine.save_checkpoint(os.path.join(tmp, "ckpt"))
+    patch = pytest.MonkeyPatch()
     if rank == 1:
-        _fail_kernel_call(pytest.MonkeyPatch(), 2)
+        _fail_kernel_call(patch, 2)
     expected = "failed: simulated" if rank == 1 else "failed on rank 1: simulated"
     with pytest.raises(RuntimeError, match=f"the optimizer step {expected} kernel failure"):
         train(1)
+    patch.undo()
+    if stage == 0:  # every rank steps every shard: rank 0's replica moved on, rank 1's only in part
+        with pytest.raises(EngineStateError, match="left the stage-0 replicas different; load a checkpoint"):
+            train(2)
+        engine.load_checkpoint(os.path.join(tmp, "ckpt"))
     assert train(2)  # every rank goes on together: no rank was left waiting in a collective
+    if stage < 3:  # every rank's compute copy: one model, not two replicas that drifted apart
+        sums = comm.gather_objects(float(sum(p.double().sum() for p in engine.module.parameters())))
+        assert sums[0] == sums[-1], sums
     engine.close()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
-def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int) -> None:
+def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int, tmp_path: object) -> None:
     """Rank 1's CPU Adam fails part way: rank 0 used to go on into the step's all-gathers (or
     the next forward's) and wait there for ever; now every rank raises, naming the rank, and the
     next step runs on both."""
     from _dist import run_ranks
 
-    run_ranks(_fails_on_rank_one, 2, timeout=90, stage=stage)
+    run_ranks(_fails_on_rank_one, 2, timeout=90, stage=stage, tmp=str(tmp_path))

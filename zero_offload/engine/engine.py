@@ -80,7 +80,7 @@ class Engine:
         self.micro_step = 0
         self.global_steps = 0
         self.load_failed: str | None = None  # why the last load_checkpoint stopped part way, if it did
-        self.backward_failed: str | None = None  # why a backward failed after summing part of a micro-batch
+        self.stopped: str | None = None  # why training cannot go on until a load (see _require_loaded)
         if config.stage == 3:
             # The runtime materializes (meta models) and places the model unit by unit and
             # broadcasts rank 0's initial values itself: moving the whole model to the device
@@ -151,12 +151,15 @@ class Engine:
         after a failed step. Inside an accumulation cycle, partial sums that took part of this
         micro-batch cannot be told apart from the others': the engine then refuses to go on
         until a checkpoint is loaded, rather than train on a corrupted sum."""
+        touched = True  # unless the runtime says otherwise: its cleanup may fail too (a step error)
         try:
             touched = self.runtime.abort_backward()
         finally:
             self.phase.abort_backward()
-        if touched and self.config.gradient_accumulation_steps > 1:
-            self.backward_failed = f"{type(exc).__name__}: {exc}"
+            if touched and self.config.gradient_accumulation_steps > 1:
+                self.stopped = (f"a backward failed part way through a gradient-accumulation cycle "
+                                f"({type(exc).__name__}: {exc}) after some partial gradient sums had taken "
+                                "its gradients")
 
     def step(self) -> bool:
         """At the accumulation boundary apply the update (False if skipped for overflow); clears grads."""
@@ -165,12 +168,23 @@ class Engine:
         applied = False
         try:
             if self.is_boundary:
-                applied = self.runtime.step()
+                applied = self._runtime_step()
                 self.global_steps += 1
             self.micro_step += 1
         finally:
             self.phase.finish_step()
         return applied
+
+    def _runtime_step(self) -> bool:
+        """The runtime's step. A failed step keeps what it stepped (see finish_step); at stage 0
+        with D > 1 every rank steps every shard, so a failure on one rank leaves the replicas
+        different for good: the engine then stops until a checkpoint load rewrites them all."""
+        try:
+            return self.runtime.step()
+        except Exception as exc:
+            if self.runtime.replicated and comm.world_size() > 1:
+                self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"
+            raise
 
     @property
     def skipped_steps(self) -> int:
@@ -210,7 +224,7 @@ class Engine:
             if self.load_failed is not None:
                 self.load_failed = f"{type(exc).__name__}: {exc}"
             raise
-        self.backward_failed = None  # the partial sums were reset with the rest of the state
+        self.stopped = None  # the partial sums and every replica were rewritten with the rest of the state
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.
@@ -224,10 +238,8 @@ class Engine:
         if self.load_failed is not None:
             raise EngineStateError(f"engine.{call}: the last load_checkpoint stopped part way ({self.load_failed}) "
                                    "and left the state partly overwritten; load a checkpoint that loads")
-        if self.backward_failed is not None and call != "consolidated_state_dict":
-            raise EngineStateError(f"engine.{call}: a backward failed part way through a gradient-accumulation "
-                                   f"cycle ({self.backward_failed}) after some partial gradient sums had taken its "
-                                   "gradients; load a checkpoint to go on")
+        if self.stopped is not None and call != "consolidated_state_dict":
+            raise EngineStateError(f"engine.{call}: {self.stopped}; load a checkpoint to go on")
 
     def _require_idle(self, call: str) -> None:
         if self.phase.phase not in (Phase.IDLE, Phase.FORWARD):

@@ -98,13 +98,14 @@ class GradReducer:
         self.active = False
         self.boundary = True
         self._next = 0
+        self._launching = False
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._direct = {b.index for b in buckets
                         if len(b.params) == 1 and b.layout.padding == 0 and b.params[0].dtype == dtype}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
 
     def begin(self, boundary: bool) -> None:
-        self.active, self.boundary, self._next = True, boundary, 0
+        self.active, self.boundary, self._next, self._launching = True, boundary, 0, False
         for b in self.buckets:
             b.ready.clear()
 
@@ -117,13 +118,14 @@ class GradReducer:
 
     def abort(self) -> bool:
         """After a failed backward: the gradients not yet reduced are dropped, so nothing more
-        reaches the step; True if a bucket had already been reduced."""
+        reaches the step; True if a bucket had begun its reduction (a launch that failed part way
+        may already have taken its partial sum)."""
         for b in self.buckets[self._next:]:
             b.ready.clear()
             for p in b.params:
                 p.grad = None
         self.active = False
-        return self._next > 0
+        return self._next > 0 or self._launching
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.active:
@@ -154,6 +156,7 @@ class GradReducer:
         return b.layout.flatten(grads, dtype=self.dtype, scale=self.scale, aligned=self.flat_to_drive)
 
     def _launch(self, b: Bucket) -> None:
+        self._launching = True  # cleared by begin(): from here on a failure may have consumed state
         flat = self._flatten(b)
         if not self.accumulate_shard:
             flat = self.accumulator.add(b.key, flat, self.boundary)
