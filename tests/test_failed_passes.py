@@ -244,3 +244,34 @@ def test_a_bucket_whose_hand_over_failed_counts_as_reduced(tmp_path: object, mon
     with pytest.raises(EngineStateError, match="a backward failed part way"):
         engine(_batch(3))
     engine.close()
+
+
+def test_stage3_cleanup_after_a_failed_backward_survives_a_failed_read_ahead(tmp_path: object,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Letting go of a unit whose read ahead failed re-raised that error before the pass was
+    reset: the runtime stayed in backward, and the next training step failed with a misleading
+    'needed for backward again' error (a review of the fix)."""
+    import threading
+
+    from zero_offload.engine import unit as unit_mod
+
+    engine = _engine(3, str(tmp_path))
+    _train(engine, range(3))
+    real, armed = unit_mod.Unit.fetch_local, []
+
+    def flaky(self: unit_mod.Unit) -> None:
+        if armed and self.name == "a" and threading.current_thread().name.startswith("zo-prefetch"):
+            raise OSError("simulated read error on a read-ahead")
+        real(self)
+    monkeypatch.setattr(unit_mod.Unit, "fetch_local", flaky)
+    engine.module.b.fail_backward = True
+    loss = engine(_batch(3))
+    armed.append(True)
+    with pytest.raises((RuntimeError, OSError)):
+        engine.backward(loss)
+    armed.clear()
+    engine.module.b.fail_backward = False
+    assert engine.runtime.phase.value == "idle" and not engine.runtime.shard_optimizer._arrived
+    _train(engine, range(4, 6))  # trains on
+    assert engine.runtime.prefetcher.budget.live <= engine.runtime.prefetcher.budget.limit
+    engine.close()

@@ -152,16 +152,16 @@ class Prefetcher:
         after a pass that stopped part way (its forward or backward raised, so the post-hooks
         that release never ran) and before the compute-copy shards are rewritten (a checkpoint
         load: a unit gathered or read ahead would keep the old values)."""
-        self._drop_prefetched()
-        for u in self.units:
-            if u.resident or u.state is UnitState.SHARDED:
-                continue
-            if u.state is UnitState.GATHERED:
-                u.release()
-            else:
-                u.abandon()
-            self.budget.give(u.nbytes)
+        first: BaseException | None = None
         self.schedule.trusted = False
+        held, self.prefetched = [u for u in self.units if not u.resident and u.state is not UnitState.SHARDED], []
+        for u in held:  # every unit, even after one's read ahead failed; the first error after
+            try:
+                self._let_go(u)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def warm_start(self) -> None:
         """Start fetching the next pass's first units now (their shards are final for that pass:
@@ -199,11 +199,18 @@ class Prefetcher:
 
     def _abandon(self, unit: Unit) -> None:
         self.prefetched.remove(unit)
-        if unit.state is UnitState.GATHERED:
-            unit.release()
-        else:
-            unit.abandon()
-        self.budget.give(unit.nbytes)
+        self._let_go(unit)
+
+    def _let_go(self, unit: Unit) -> None:
+        """GATHERED or FETCHING -> SHARDED and its bytes back, even when a read ahead failed
+        (the unit is SHARDED then too: its error is raised after the bookkeeping)."""
+        try:
+            if unit.state is UnitState.GATHERED:
+                unit.release()
+            else:
+                unit.abandon()
+        finally:
+            self.budget.give(unit.nbytes)
 
     def _drop_prefetched(self, keep: Unit | None = None) -> None:
         for u in list(self.prefetched):

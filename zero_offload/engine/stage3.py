@@ -315,9 +315,16 @@ class Stage3Runtime:
         for u in self.units:
             for p in u.trainable.params if u.trainable is not None else ():
                 p.grad = None
-        self.prefetcher.release_all()
-        self._reset_pass()
-        self.phase, self.boundary = Phase.IDLE, True
+        try:
+            self.prefetcher.release_all()
+        finally:  # a read ahead that failed is reported, after the pass is reset all the same
+            self._reset_pass()
+            self.phase, self.boundary = Phase.IDLE, True
+            self._abandon_step()
+        return touched
+
+    def _abandon_step(self) -> None:
+        """The shards handed to the step during the failed backward, finished and installed."""
         try:
             self.shard_optimizer.abandon_step()
         finally:
@@ -325,7 +332,6 @@ class Stage3Runtime:
                 self._regather_resident()  # resident units take the shards the worker did step
             else:  # a collective only this rank would issue: they are installed at the next step
                 self._fresh = {}
-        return touched
 
     def _segment_start(self) -> None:
         """Model compute runs between two hooks: the time from a hook's end to the next hook's start."""

@@ -191,11 +191,13 @@ class Unit:
     def abandon(self) -> None:
         """FETCHING -> SHARDED without gathering (a prefetch the step did not use)."""
         self._leave(UnitState.FETCHING, "abandon")
-        if self._pending is not None:
-            wait, self._pending = self._pending, None
-            wait()
-        self._free_storage()
-        self.state = UnitState.SHARDED
+        try:
+            if self._pending is not None:  # its read must end before the buffers go, even if it failed
+                wait, self._pending = self._pending, None
+                wait()
+        finally:
+            self._free_storage()
+            self.state = UnitState.SHARDED
 
     def release(self) -> None:
         """GATHERED -> SHARDED: parameters become empty and the flat buffers give their bytes back."""
