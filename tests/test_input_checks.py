@@ -300,11 +300,25 @@ def test_deepspeed_batch_sizes_give_the_accumulation_steps(world: str, ds: dict,
 def test_deepspeed_batch_sizes_that_do_not_add_up_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"train_batch_size = 32 is not train_micro_batch_size_per_gpu = 4 x "
-                                          r"world size 3 \(WORLD_SIZE\) x a whole number"):
+                                          r"world size 3 x a whole number"):
         config_from_deepspeed(_ds(train_batch_size=32, train_micro_batch_size_per_gpu=4))
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="x gradient_accumulation_steps 2 x world size 1"):
         config_from_deepspeed(_ds(train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2))
+
+
+def _ds_steps_in_a_group(rank: int, world: int) -> None:
+    os.environ.pop("WORLD_SIZE", None)  # a group made by hand (mp.spawn), no launcher variables
+    cfg = config_from_deepspeed(_ds(train_batch_size=16, train_micro_batch_size_per_gpu=2))
+    assert cfg.gradient_accumulation_steps == 4, cfg.gradient_accumulation_steps  # 16 / (2 x 2)
+
+
+def test_deepspeed_batch_sizes_use_the_process_groups_size() -> None:
+    """Read from WORLD_SIZE only, a group made without the launcher counted as one rank: 8
+    accumulation steps instead of 4, twice the batch DeepSpeed would run."""
+    from _dist import run_ranks
+
+    run_ranks(_ds_steps_in_a_group, 2, timeout=60)
 
 
 def test_deepspeed_weight_decay_left_out_is_deepspeeds_zero() -> None:

@@ -408,15 +408,16 @@ def test_a_plan_while_a_flush_settles_places_nothing_until_it_has() -> None:
     """flush() forgot the regions and settled them outside the lock: a plan from another thread
     meanwhile read 'a' into memory its own write-back was still being written from (a review's
     finding; the engine plans and flushes from one thread, so it was latent)."""
-    gate = threading.Event()
+    gate, holding = threading.Event(), []
 
     class SlowWrite(LazyStore):
         def write(self, key: str, src: torch.Tensor) -> Handle:
             h = super().write(key, src)
-            return Handle(lambda: (gate.wait(5), h.wait()), src)
+            return Handle(lambda: (gate.wait(5) if holding else None, h.wait()), src)
 
     store = SlowWrite()
     _fill(store, {"a": 1024})
+    holding.append(True)  # from now on a write-back is held open until the gate opens
     ring = StagingRing(store, span(1024))
     ring.plan([("a", 1024)])
     r = ring.acquire("a", 1024)

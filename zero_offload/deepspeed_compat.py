@@ -5,7 +5,7 @@ setting the user relies on is never silently dropped. Keys DeepSpeed uses only f
 bookkeeping (logging) are listed in _INERT and accepted without effect, because they do not
 change what is stored where or how the step is computed. The batch sizes do: DeepSpeed derives
 the accumulation steps from them (train_batch_size = micro batch x accumulation x world size),
-and so do we, with the launcher's WORLD_SIZE.
+and so do we (the world size: the process group's, else the launcher's WORLD_SIZE).
 
 Every value we map is type-checked here, under its DeepSpeed name: JSON has no schema, and a
 Python `bool("false")` or `int(True)` would silently turn a slip into a setting.
@@ -199,20 +199,32 @@ def _pin_memory(zero: Mapping[str, Any]) -> dict[str, Any]:
     return {"pin_memory": any(pins)} if pins else {}
 
 
+def _world_size() -> int:
+    """The process group's size when there is one (as DeepSpeed takes it), else the launcher's
+    WORLD_SIZE (a config read before the group is made), else 1."""
+    from zero_offload import comm
+
+    if comm.is_distributed():
+        return comm.world_size()
+    value = os.environ.get("WORLD_SIZE", "1") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"WORLD_SIZE = {value!r} is not a world size (a whole number >= 1)")
+    return int(value)
+
+
 def _accumulation(data: Mapping[str, Any]) -> int | None:
     """gradient_accumulation_steps as DeepSpeed has it: given, or derived from train_batch_size =
-    train_micro_batch_size_per_gpu x steps x world size (WORLD_SIZE, as torchrun sets it); all
-    three given must agree."""
+    train_micro_batch_size_per_gpu x steps x world size; all three given must agree."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     total, micro, steps = (_number(data[k], k, integer=True) if k in data else None for k in keys)
     if total is None or micro is None:
         return steps
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = _world_size()
     derived, rest = divmod(total, micro * world) if micro > 0 else (0, 1)
     if rest or derived < 1 or (steps is not None and steps != derived):
         given = "" if steps is None else f" x gradient_accumulation_steps {steps}"
         raise ConfigError(f"DeepSpeed train_batch_size = {total} is not train_micro_batch_size_per_gpu = {micro}"
-                          f"{given} x world size {world} (WORLD_SIZE){'' if steps is not None else ' x a whole number of accumulation steps'}")
+                          f"{given} x world size {world}{'' if steps is not None else ' x a whole number of accumulation steps'}")
     return derived
 
 

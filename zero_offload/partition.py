@@ -99,7 +99,10 @@ class FlatLayout:
             # At least two tensors (the padding counts): of one, it would return a view, not a copy.
             pad = [torch.zeros(self.padding, dtype=dtype, device=device)] if self.padding else []
             flat = torch._utils._flatten_dense_tensors([*tensors, *pad])
-            if flat.numel() != self.padded_numel:  # one check for all: a wrong size shifts every later one
+            # The total only (every size compared would cost a call per tensor in backward's hooks,
+            # where autograd's gradients have their parameters' shapes anyway): a wrong total is
+            # refused; sizes that are wrong but add up are not caught on this path.
+            if flat.numel() != self.padded_numel:
                 self._check_sizes(tensors, "flatten")
             return flat
         if host_aligned:
