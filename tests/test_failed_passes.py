@@ -275,3 +275,91 @@ def test_stage3_cleanup_after_a_failed_backward_survives_a_failed_read_ahead(tmp
     _train(engine, range(4, 6))  # trains on
     assert engine.runtime.prefetcher.budget.live <= engine.runtime.prefetcher.budget.limit
     engine.close()
+
+
+class _WithUnused(nn.Module):
+    """Registered last, so its bucket comes first in backward order and is never ready: every
+    bucket is reduced by end_backward, after autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.z = nn.Module()
+        self.z.unused = nn.Parameter(torch.randn(D * D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def test_a_failure_while_the_leftover_buckets_are_reduced_is_a_failed_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """end_backward() reduces what got no gradient outside autograd: a failure there left the
+    engine in BACKWARD, not stopped, and step() went on with partial sums holding part of the
+    micro-batch (a review of the fix)."""
+    from zero_offload.engine.accumulate import Accumulator
+
+    engine = zero_offload.initialize(_WithUnused(), dict(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"},
+                                                         bucket_bytes=D * D * 4, gradient_accumulation_steps=2))
+    real, third = Accumulator.add, engine.runtime.buckets[2].key
+
+    def add(self: Accumulator, key: str, t: torch.Tensor, boundary: bool) -> torch.Tensor | None:
+        if key == third:
+            raise OSError(28, "No space left on device (simulated)")
+        return real(self, key, t, boundary)
+    monkeypatch.setattr(Accumulator, "add", add)
+    with pytest.raises(OSError, match="No space left"):
+        engine.backward(engine(_batch(0)))
+    monkeypatch.undo()
+    assert engine.phase.phase is Phase.IDLE
+    with pytest.raises(EngineStateError, match="a backward failed part way through a gradient-accumulation cycle"):
+        engine(_batch(1))
+    engine.close()
+
+
+def test_a_failed_boundary_step_inside_accumulation_stops_the_engine(tmp_path: object,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failed step had taken the cycle's partial sums; the retried boundary stepped one
+    micro-batch alone at half scale (a review of the fix)."""
+    from test_step_failure import _fail_kernel_call
+
+    engine = _engine(1, str(tmp_path), gradient_accumulation_steps=2, clip_grad_norm=100.0)
+    _train(engine, range(2))
+    engine.backward(engine(_batch(2)))
+    engine.step()
+    engine.backward(engine(_batch(3)))
+    _fail_kernel_call(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="the optimizer step failed"):
+        engine.step()
+    monkeypatch.undo()
+    with pytest.raises(EngineStateError, match="after taking the gradient-accumulation cycle's partial sums"):
+        engine(_batch(3))
+    engine.close()
+
+
+def test_stage3_clean_backward_failure_with_a_failed_read_ahead_does_not_stop(tmp_path: object,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing was reduced (the last layer's backward raised first), but a read ahead that failed
+    during the cleanup hid that, and the engine stopped for nothing (a review of the fix)."""
+    import threading
+
+    from zero_offload.engine import unit as unit_mod
+
+    engine = _engine(3, str(tmp_path), gradient_accumulation_steps=2)
+    _train(engine, range(2))
+    real, armed = unit_mod.Unit.fetch_local, []
+
+    def flaky(self: unit_mod.Unit) -> None:
+        if armed and threading.current_thread().name.startswith("zo-prefetch"):
+            raise OSError("simulated read error on a read-ahead")
+        real(self)
+    monkeypatch.setattr(unit_mod.Unit, "fetch_local", flaky)
+    engine.module.c.fail_backward = True  # the first backward to run: nothing reduced before it
+    loss = engine(_batch(2))
+    armed.append(True)
+    with pytest.raises((RuntimeError, OSError)):
+        engine.backward(loss)
+    armed.clear()
+    engine.module.c.fail_backward = False
+    assert engine.stopped is None
+    _train(engine, range(3, 5))
+    engine.close()

@@ -182,3 +182,34 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int, tmp_path:
     from _dist import run_ranks
 
     run_ranks(_fails_on_rank_one, 2, timeout=90, stage=stage, tmp=str(tmp_path))
+
+
+def _stage0_failures_on_every_rank(rank: int, world: int) -> None:
+    from test_failed_passes import _batch, _engine, _train
+    from zero_offload.engine.engine import EngineStateError
+
+    engine = _engine(0, "")
+    _train(engine, range(2))
+    patch = pytest.MonkeyPatch()
+    _fail_kernel_call(patch, 1)  # every rank's first Adam call: nothing stepped anywhere
+    with pytest.raises(RuntimeError, match="the optimizer step failed"):
+        _train(engine, range(2, 3))
+    patch.undo()
+    assert engine.stopped is None  # the replicas still agree: no reason to stop
+    _train(engine, range(3, 4))
+    engine.module.b.fail_backward = True  # after the last layer's shards were handed to the step
+    with pytest.raises(RuntimeError, match="simulated backward failure"):
+        engine.backward(engine(_batch(4)))
+    engine.module.b.fail_backward = False
+    with pytest.raises(EngineStateError, match="the stage-0 replicas may differ"):
+        engine(_batch(5))
+    engine.close()
+
+
+def test_stage0_stops_only_when_its_replicas_may_differ() -> None:
+    """A step that failed the same way everywhere, before anything was stepped, stopped the
+    engine for nothing; a backward that failed after handing shards to the step did not stop
+    it, and the replicas could drift apart (a review of the fixes)."""
+    from _dist import run_ranks
+
+    run_ranks(_stage0_failures_on_every_rank, 2, timeout=90)

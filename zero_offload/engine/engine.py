@@ -140,26 +140,35 @@ class Engine:
         self.runtime.begin_backward(self.is_boundary)
         try:
             (loss * scale if scale != 1.0 else loss).backward()
+            self.runtime.end_backward()  # reduces what got no gradient: may fail the same ways
         except BaseException as exc:
             self._abort_backward(exc)
             raise
-        self.runtime.end_backward()
 
     def _abort_backward(self, exc: BaseException) -> None:
-        """loss.backward() raised: the gradients it did not reduce are dropped and the engine is
+        """The backward raised: the gradients it did not reduce are dropped and the engine is
         IDLE again, ready for a forward. Shards already handed to the step keep their update, as
         after a failed step. Inside an accumulation cycle, partial sums that took part of this
-        micro-batch cannot be told apart from the others': the engine then refuses to go on
-        until a checkpoint is loaded, rather than train on a corrupted sum."""
-        touched = True  # unless the runtime says otherwise: its cleanup may fail too (a step error)
+        micro-batch cannot be told apart from the others', and at stage 0 with D > 1 the ranks
+        may have stepped different shards: once anything was reduced, the engine then refuses
+        to go on until a checkpoint is loaded, rather than train on a corrupted sum or on
+        replicas that differ."""
+        touched = True  # if even that cannot be told, assume the worst
         try:
-            touched = self.runtime.abort_backward()
+            touched = self.runtime.backward_touched()
+            self.runtime.abort_backward()
         finally:
             self.phase.abort_backward()
             if touched and self.config.gradient_accumulation_steps > 1:
                 self.stopped = (f"a backward failed part way through a gradient-accumulation cycle "
                                 f"({type(exc).__name__}: {exc}) after some partial gradient sums had taken "
                                 "its gradients")
+            elif touched and self._replicated_ranks():
+                self.stopped = (f"a backward failed ({type(exc).__name__}: {exc}) after some shards were handed "
+                                "to the step, so the stage-0 replicas may differ")
+
+    def _replicated_ranks(self) -> bool:
+        return self.runtime.replicated and comm.world_size() > 1
 
     def step(self) -> bool:
         """At the accumulation boundary apply the update (False if skipped for overflow); clears grads."""
@@ -176,13 +185,19 @@ class Engine:
         return applied
 
     def _runtime_step(self) -> bool:
-        """The runtime's step. A failed step keeps what it stepped (see finish_step); at stage 0
-        with D > 1 every rank steps every shard, so a failure on one rank leaves the replicas
-        different for good: the engine then stops until a checkpoint load rewrites them all."""
+        """The runtime's step. A failed step keeps what it stepped (see finish_step), and every
+        rank raises. With accumulation it has used up the cycle's partial sums (a retry would
+        step one micro-batch at 1/gas scale); at stage 0 with D > 1, if the ranks' shards now
+        stand at different steps, the replicas differ for good. Either way the engine stops
+        until a checkpoint load rewrites the state."""
         try:
             return self.runtime.step()
         except Exception as exc:
-            if self.runtime.replicated and comm.world_size() > 1:
+            so = self.runtime.shard_optimizer
+            if self.config.gradient_accumulation_steps > 1:
+                self.stopped = f"a step failed ({exc}) after taking the gradient-accumulation cycle's partial sums"
+            elif self._replicated_ranks() and not comm.all_agree((sorted(so.steps.items()),
+                                                                  sorted(so.sub_steps.items()))):
                 self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"
             raise
 

@@ -116,16 +116,19 @@ class GradReducer:
             self._next += 1
         self.active = False
 
-    def abort(self) -> bool:
-        """After a failed backward: the gradients not yet reduced are dropped, so nothing more
-        reaches the step; True if a bucket had begun its reduction (a launch that failed part way
+    def touched(self) -> bool:
+        """Whether a bucket has begun its reduction this backward (a launch that failed part way
         may already have taken its partial sum)."""
+        return self._next > 0 or self._launching
+
+    def abort(self) -> None:
+        """After a failed backward: the gradients not yet reduced are dropped, so nothing more
+        reaches the step."""
         for b in self.buckets[self._next:]:
             b.ready.clear()
             for p in b.params:
                 p.grad = None
         self.active = False
-        return self._next > 0 or self._launching
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.active:

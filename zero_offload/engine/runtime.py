@@ -7,7 +7,7 @@ checkpoints (`shard_map`) so checkpoint.py never looks inside a stage.
 
 Runtime interface used by engine.py and checkpoint.py:
   begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
-  abort_backward() -> bool: after loss.backward() raised (True: a gradient had already been reduced)
+  backward_touched() -> bool / abort_backward(): after a backward raised (was anything reduced? then clean up)
   shard_map() -> {key: [(param_name, param_offset, shard_offset, numel), ...]} for this rank
   frozen_map() / frozen_shapes(): the same for frozen state kept outside the module (stage 3 only)
   param_shapes() -> {param_name: shape}; replicated: bool; refresh_params() (compute copy from masters)
@@ -76,15 +76,18 @@ class BucketRuntime:
     def end_backward(self) -> None:
         self.reducer.end()
 
-    def abort_backward(self) -> bool:
-        """After loss.backward() raised: no more buckets are reduced; the shards already handed to
-        the step are finished as after a failed step. True if a bucket had been reduced."""
-        touched = self.reducer.abort()
+    def backward_touched(self) -> bool:
+        """After a failed backward: whether a bucket had begun its reduction."""
+        return self.reducer.touched()
+
+    def abort_backward(self) -> None:
+        """After a failed backward: no more buckets are reduced; the shards already handed to
+        the step are finished as after a failed step."""
+        self.reducer.abort()
         try:
             self.shard_optimizer.abandon_step()
         finally:
             self._to_gather.clear()  # D > 1: installed only after a whole step, which this was not
-        return touched
 
     def _sink(self, bucket: Bucket, shard: torch.Tensor) -> None:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)

@@ -305,13 +305,16 @@ class Stage3Runtime:
             self.prefetcher.warm_start()
         self.boundary = True
 
-    def abort_backward(self) -> bool:
-        """After loss.backward() raised: nothing more is reduced or stepped, the gradients autograd
-        left behind are dropped and every unit the pass holds goes back to SHARDED. True when a
-        unit's gradient had already been reduced (summed into a partial sum, or handed to the
-        step: those shards are finished as after a failed step)."""
+    def backward_touched(self) -> bool:
+        """After a failed backward: whether a unit's gradient had been reduced (summed into a
+        partial sum, or handed to the step)."""
+        return any(self.units[i].trainable is not None for i in self._done)
+
+    def abort_backward(self) -> None:
+        """After a failed backward: nothing more is reduced or stepped, the gradients autograd
+        left behind are dropped and every unit the pass holds goes back to SHARDED; the shards
+        already handed to the step are finished as after a failed step."""
         self._segment_end()
-        touched = any(self.units[i].trainable is not None for i in self._done)
         for u in self.units:
             for p in u.trainable.params if u.trainable is not None else ():
                 p.grad = None
@@ -321,7 +324,6 @@ class Stage3Runtime:
             self._reset_pass()
             self.phase, self.boundary = Phase.IDLE, True
             self._abandon_step()
-        return touched
 
     def _abandon_step(self) -> None:
         """The shards handed to the step during the failed backward, finished and installed."""
