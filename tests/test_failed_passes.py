@@ -246,31 +246,38 @@ def test_a_bucket_whose_hand_over_failed_counts_as_reduced(tmp_path: object, mon
     engine.close()
 
 
+def _backward_failing_beside_a_failed_read_ahead(engine: Engine, layer: Layer, step: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`layer`'s backward raises while every read ahead of the prefetch thread fails too."""
+    import threading
+
+    from zero_offload.engine import unit as unit_mod
+
+    real, armed = unit_mod.Unit.fetch_local, []
+
+    def flaky(self: unit_mod.Unit) -> None:
+        if armed and threading.current_thread().name.startswith("zo-prefetch"):
+            raise OSError("simulated read error on a read-ahead")
+        real(self)
+    monkeypatch.setattr(unit_mod.Unit, "fetch_local", flaky)
+    layer.fail_backward = True
+    loss = engine(_batch(step))
+    armed.append(True)
+    with pytest.raises((RuntimeError, OSError)):
+        engine.backward(loss)
+    armed.clear()
+    layer.fail_backward = False
+    monkeypatch.undo()
+
+
 def test_stage3_cleanup_after_a_failed_backward_survives_a_failed_read_ahead(tmp_path: object,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Letting go of a unit whose read ahead failed re-raised that error before the pass was
     reset: the runtime stayed in backward, and the next training step failed with a misleading
     'needed for backward again' error (a review of the fix)."""
-    import threading
-
-    from zero_offload.engine import unit as unit_mod
-
     engine = _engine(3, str(tmp_path))
     _train(engine, range(3))
-    real, armed = unit_mod.Unit.fetch_local, []
-
-    def flaky(self: unit_mod.Unit) -> None:
-        if armed and self.name == "a" and threading.current_thread().name.startswith("zo-prefetch"):
-            raise OSError("simulated read error on a read-ahead")
-        real(self)
-    monkeypatch.setattr(unit_mod.Unit, "fetch_local", flaky)
-    engine.module.b.fail_backward = True
-    loss = engine(_batch(3))
-    armed.append(True)
-    with pytest.raises((RuntimeError, OSError)):
-        engine.backward(loss)
-    armed.clear()
-    engine.module.b.fail_backward = False
+    _backward_failing_beside_a_failed_read_ahead(engine, engine.module.b, 3, monkeypatch)
     assert engine.runtime.phase.value == "idle" and not engine.runtime.shard_optimizer._arrived
     _train(engine, range(4, 6))  # trains on
     assert engine.runtime.prefetcher.budget.live <= engine.runtime.prefetcher.budget.limit
@@ -340,26 +347,9 @@ def test_stage3_clean_backward_failure_with_a_failed_read_ahead_does_not_stop(tm
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing was reduced (the last layer's backward raised first), but a read ahead that failed
     during the cleanup hid that, and the engine stopped for nothing (a review of the fix)."""
-    import threading
-
-    from zero_offload.engine import unit as unit_mod
-
     engine = _engine(3, str(tmp_path), gradient_accumulation_steps=2)
     _train(engine, range(2))
-    real, armed = unit_mod.Unit.fetch_local, []
-
-    def flaky(self: unit_mod.Unit) -> None:
-        if armed and threading.current_thread().name.startswith("zo-prefetch"):
-            raise OSError("simulated read error on a read-ahead")
-        real(self)
-    monkeypatch.setattr(unit_mod.Unit, "fetch_local", flaky)
-    engine.module.c.fail_backward = True  # the first backward to run: nothing reduced before it
-    loss = engine(_batch(2))
-    armed.append(True)
-    with pytest.raises((RuntimeError, OSError)):
-        engine.backward(loss)
-    armed.clear()
-    engine.module.c.fail_backward = False
+    _backward_failing_beside_a_failed_read_ahead(engine, engine.module.c, 2, monkeypatch)
     assert engine.stopped is None
     _train(engine, range(3, 5))
     engine.close()
