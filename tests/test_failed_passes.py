@@ -353,3 +353,26 @@ def test_stage3_clean_backward_failure_with_a_failed_read_ahead_does_not_stop(tm
     assert engine.stopped is None
     _train(engine, range(3, 5))
     engine.close()
+
+
+def test_an_interrupted_boundary_step_inside_accumulation_stops_the_engine(tmp_path: object,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an Exception stopped it: after a Ctrl-C in step() the next micro-batch was the
+    boundary again and stepped alone at half scale (a review of the fix)."""
+    from zero_offload.engine import step as step_mod
+
+    engine = _engine(1, str(tmp_path), gradient_accumulation_steps=2, clip_grad_norm=100.0)
+    _train(engine, range(2))
+    engine.backward(engine(_batch(2)))
+    engine.step()
+    engine.backward(engine(_batch(3)))
+
+    def interrupted(self: object, *args: object) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(step_mod.HostAdam, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    with pytest.raises(EngineStateError, match="after taking the gradient-accumulation cycle's partial sums"):
+        engine(_batch(3))
+    engine.close()

@@ -149,10 +149,12 @@ class Engine:
         """The backward raised: the gradients it did not reduce are dropped and the engine is
         IDLE again, ready for a forward. Shards already handed to the step keep their update, as
         after a failed step. Inside an accumulation cycle, partial sums that took part of this
-        micro-batch cannot be told apart from the others', and at stage 0 with D > 1 the ranks
-        may have stepped different shards: once anything was reduced, the engine then refuses
-        to go on until a checkpoint is loaded, rather than train on a corrupted sum or on
-        replicas that differ."""
+        micro-batch cannot be told apart from the others': once anything was reduced, the engine
+        refuses to go on until a checkpoint is loaded, rather than train on a corrupted sum. With
+        D > 1 it always refuses: a backward's failure is not agreed across ranks (that would be
+        one more collective per backward), so the others may be waiting in the reductions this
+        rank skipped, and going on would enter mismatched collectives and hang; refusing lets
+        the process fail fast instead."""
         touched = True  # if even that cannot be told, assume the worst
         try:
             touched = self.runtime.backward_touched()
@@ -163,9 +165,9 @@ class Engine:
                 self.stopped = (f"a backward failed part way through a gradient-accumulation cycle "
                                 f"({type(exc).__name__}: {exc}) after some partial gradient sums had taken "
                                 "its gradients")
-            elif touched and self._replicated_ranks():
-                self.stopped = (f"a backward failed ({type(exc).__name__}: {exc}) after some shards were handed "
-                                "to the step, so the stage-0 replicas may differ")
+            elif comm.world_size() > 1:  # not agreed: the other ranks may wait in its collectives
+                self.stopped = (f"a backward failed on this rank ({type(exc).__name__}: {exc}); with D > 1 the "
+                                "other ranks may be waiting in its reductions, or stepped other shards")
 
     def _replicated_ranks(self) -> bool:
         return self.runtime.replicated and comm.world_size() > 1
@@ -192,10 +194,12 @@ class Engine:
         until a checkpoint load rewrites the state."""
         try:
             return self.runtime.step()
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt too: the boundary backward took the partial sums
             so = self.runtime.shard_optimizer
             if self.config.gradient_accumulation_steps > 1:
                 self.stopped = f"a step failed ({exc}) after taking the gradient-accumulation cycle's partial sums"
+            elif self._replicated_ranks() and not isinstance(exc, Exception):  # not agreed: no collective
+                self.stopped = f"a step was interrupted ({type(exc).__name__}); the stage-0 replicas may differ"
             elif self._replicated_ranks() and not comm.all_agree((sorted(so.steps.items()),
                                                                   sorted(so.sub_steps.items()))):
                 self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"
