@@ -73,7 +73,7 @@ class Engine:
                  weights: str | None = None) -> None:
         self.config = config
         self.device = _device_for(model)  # before a NCCL group is made: it binds to the current device
-        self.created_group = comm.join_launcher_group()
+        comm.join_launcher_group()
         self.dtype = DTYPES[config.precision.dtype]
         self.orig_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
         self.phase = PhaseMachine()

@@ -117,7 +117,7 @@ def plan_units(model: nn.Module, cfg: Stage3Config, elem: int) -> Plan:
     def _revisit(module: nn.Module, chain: tuple[int, ...]) -> None:
         """A module registered a second time, under another unit (one Linear shared by two
         blocks): when called from there it uses the units that own its parameters."""
-        foreign = {owner[id(p)] for p in module.parameters() if owner.get(id(p)) not in chain and id(p) in owner}
+        foreign = {owner[id(p)] for p in module.parameters() if id(p) in owner and owner[id(p)] not in chain}
         if foreign:
             users.setdefault(module, set()).update(foreign)
             chains[module] = tuple(sorted(set(chains.get(module, ())) | set(chain) | users[module]))
