@@ -67,9 +67,16 @@ def config(a: argparse.Namespace, nvme_dir: str) -> dict:
     return {"stage": 3, "precision": {"dtype": a.precision},
             "tiers": {"params": a.params_tier, "optimizer": a.optimizer_tier, "grads": a.optimizer_tier},
             "nvme_paths": [nvme_dir] if "nvme" in (a.params_tier, a.optimizer_tier) else [],
-            "optimizer": {"lr": a.lr, "weight_decay": 0.01},
+            "optimizer": {"lr": a.lr, "weight_decay": 0.1},
             "stage3": {"unit_modules": ["Block"], "live_budget_bytes": int(a.budget_mib * 2**20),
                        "prefetch_depth": a.prefetch, "resident_bytes": int(a.resident_mib * 2**20)}}
+
+
+def groups(model: torch.nn.Module) -> list[dict]:
+    """The usual recipe: weight decay on matrices and embeddings only, not on biases and norms."""
+    named = list(model.named_parameters())
+    return [{"params": [n for n, p in named if p.dim() >= 2]},
+            {"params": [n for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def breakdown(spans: list[trace.Span], wall: float, after_ns: int) -> str:
@@ -97,7 +104,7 @@ def main() -> None:
         with torch.no_grad():  # GPT-2's embedding scale; nn.Embedding's N(0, 1) makes the tied head's logits huge
             model.tok.weight.normal_(0.0, 0.02)
         n_params = sum(p.numel() for p in model.parameters())
-        engine = zero_offload.initialize(model, config(a, nvme_dir))
+        engine = zero_offload.initialize(model, config(a, nvme_dir), param_groups=groups(model))
         print(f"GPT: {a.layers} layers, width {a.width}, seq {a.seq}: P = {n_params / 1e6:.2f} M; "
               f"params on {a.params_tier}, optimizer on {a.optimizer_tier}")
         data, gen = corpus(), torch.Generator().manual_seed(0)

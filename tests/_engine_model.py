@@ -11,6 +11,8 @@ the weight decay; the reference does the same by giving such parameters a zero g
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -70,12 +72,24 @@ def batch(step: int, rows: int, seed: int = 1234) -> tuple[torch.Tensor, torch.T
 
 
 def reference_run(steps: int, rows: int, dtype: torch.dtype, *, lr: float = 1e-2, wd: float = 0.01,
-                  clip: float = 0.0, device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and final fp32 weights of the single-process reference (see the module docstring)."""
+                  clip: float = 0.0, device: str = "cpu",
+                  groups: tuple[Callable[[str], int], list[dict]] | None = None,
+                  schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final fp32 weights of the single-process reference (see the module docstring).
+    `groups`, if given: (parameter name -> group index, each group's AdamW overrides);
+    `schedule`, if given, makes an LR scheduler of the optimizer, stepped after every step."""
     model = make_model().to(device, dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=wd)
+    if groups is None:
+        opt = torch.optim.AdamW(masters, lr=lr, weight_decay=wd)
+    else:
+        which, hyper = groups
+        opt = torch.optim.AdamW([{"params": [m for (n, _), m in zip(named, masters) if which(n) == i], **h}
+                                 for i, h in enumerate(hyper)], lr=lr, weight_decay=wd)
+    scheduler = schedule(opt) if schedule is not None else None
     losses = []
     for step in range(steps):
         x, y = batch(step, rows)
@@ -88,6 +102,8 @@ def reference_run(steps: int, rows: int, dtype: torch.dtype, *, lr: float = 1e-2
         if clip:
             torch.nn.utils.clip_grad_norm_(masters, clip)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m)

@@ -301,6 +301,10 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     sd = manifest["optimizer"]
     if not all(isinstance(sd.get(k), t) for k, t in (("steps", dict), ("param_groups", list), ("scaler", dict))):
         raise CheckpointError(f"checkpoint {root}: the manifest's optimizer entry is malformed")
+    groups = len(rt.shard_optimizer.optimizer.param_groups)
+    if len(sd["param_groups"]) != groups:
+        raise CheckpointError(f"checkpoint {root} has {len(sd['param_groups'])} parameter group(s), this engine "
+                              f"{groups}: pass initialize the param_groups of the run that saved it")
     reader = _Reader(root, manifest)
     maps = _read_maps(root, manifest)
     same_world = manifest["world"] == comm.world_size()

@@ -15,6 +15,7 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
+from zero_offload.engine.param_groups import resolve as resolve_groups, runs as group_runs
 from zero_offload.engine.shard_optimizer import DTYPES
 
 
@@ -70,8 +71,10 @@ class Engine:
     """Trains `model` under `config`; see the package docs for the call sequence."""
 
     def __init__(self, model: torch.nn.Module, config: Config, *, init_fn: Any = None,
-                 weights: str | None = None) -> None:
+                 weights: str | None = None, param_groups: Any = None) -> None:
         self.config = config
+        # Resolved before anything else: stage 3 replaces the parameter objects the groups name.
+        groups = None if param_groups is None else resolve_groups(model, param_groups, config.optimizer)
         self.device = _device_for(model)  # before a NCCL group is made: it binds to the current device
         comm.join_launcher_group()
         self.dtype = DTYPES[config.precision.dtype]
@@ -89,7 +92,13 @@ class Engine:
 
             self.module = model
             self.runtime: Any = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
-            return
+        else:
+            self._build_bucket_runtime(model, config, init_fn, weights)
+        if groups is not None:
+            self._set_groups(*groups)
+
+    def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: str | None) -> None:
+        """Stages 0-2: the whole model on the compute device in the compute dtype."""
         if init_fn is not None or weights is not None:
             raise ConfigError("initialize: init_fn and weights (materializing a meta model) need stage 3")
         if any(p.is_meta for p in model.parameters()):
@@ -100,6 +109,11 @@ class Engine:
         self.module = model.to(self.device, self.dtype)
         self._broadcast_initial_state()
         self.runtime = BucketRuntime(self.module, config, self.device)
+
+    def _set_groups(self, hyper: list[dict], group_of: dict[str, int]) -> None:
+        """Each shard's runs of one parameter group, from the pieces its shard map lists."""
+        runs = {key: group_runs(pieces, group_of) for key, pieces in self.runtime.shard_map().items()}
+        self.runtime.shard_optimizer.set_groups(hyper, runs)
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's weights and buffers, as DDP does."""
@@ -269,8 +283,12 @@ class Engine:
 
 
 def initialize(model: torch.nn.Module, config: Config | dict | str | None = None, *, init_fn: Any = None,
-               weights: str | None = None, **kwargs: Any) -> Engine:
+               weights: str | None = None, param_groups: Any = None, **kwargs: Any) -> Engine:
     """An Engine for `model`; `config` is a Config, a dict, a JSON path, or keyword arguments.
+
+    `param_groups`, as torch optimizers take them (a list of dicts, each with "params": the
+    model's parameters or their names, and any of lr, betas, eps, weight_decay), gives groups
+    of parameters their own hyperparameters; every trainable parameter must be in one.
 
     At stage 3 a model built on the meta device is materialized unit by unit, from `init_fn`
     (called per module to initialize its parameters) or from `weights` (a .safetensors file or a
@@ -290,4 +308,4 @@ def initialize(model: torch.nn.Module, config: Config | dict | str | None = None
         config = Config.from_dict({**config.to_dict(), **kwargs})
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("initialize: the model has no parameter with requires_grad=True")
-    return Engine(model, config, init_fn=init_fn, weights=weights)
+    return Engine(model, config, init_fn=init_fn, weights=weights, param_groups=param_groups)

@@ -20,7 +20,6 @@ copy of the optimizer state (12 B/param) or an inexact inverse update; we chose 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -44,9 +43,12 @@ class HyperParams(torch.optim.Optimizer):
     ShardOptimizer.finish_step.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, groups: list[dict] | None = None) -> None:
+        """One param_group per entry of `groups` (each group's hyperparameters, param_groups.py),
+        or a single group of the config's."""
         o = config.optimizer
-        super().__init__([{"params": []}], dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay))
+        super().__init__([{"params": [], **g} for g in groups or [{}]],
+                         dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay))
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # noqa: ARG002
         return None
@@ -88,7 +90,7 @@ class ShardOptimizer:
         self.subshards: dict[str, list[SubShard]] = {}  # shard -> its sub-shards (subshards.py)
         self._subshard: dict[str, SubShard] = {}  # sub-shard key -> sub-shard
         self._assembly = Assembly()
-        self.decay: dict[str, bool] = {}
+        self.group_runs: dict[str, list[tuple[int, int]]] = {}  # shard -> (start, param group) runs
         self.steps: dict[str, int] = {}
         # Adam steps each sub-shard has taken. They differ from their shard's (the least of them)
         # only after a step failed part way through a split shard: each part goes on from its own.
@@ -102,7 +104,7 @@ class ShardOptimizer:
         self.skipped_steps = 0
 
     # ---- registration ----
-    def add_shard(self, key: str, master: torch.Tensor, *, weight_decay: bool = True) -> None:
+    def add_shard(self, key: str, master: torch.Tensor) -> None:
         if key in self.numel:
             raise KeyError(f"ShardOptimizer.add_shard: key {key!r} was already added")
         if master.dim() != 1:
@@ -111,7 +113,8 @@ class ShardOptimizer:
         subs = split(key, n, None if self.store.addressable else subshard_limit(self.access.budget_bytes))
         self._write_initial(subs, master.detach().reshape(-1))
         # Registered only once every slot is written: a failure (a full drive) leaves no half-added key.
-        self.numel[key], self.decay[key], self.steps[key], self.subshards[key] = n, weight_decay, 0, subs
+        self.numel[key], self.steps[key], self.subshards[key] = n, 0, subs
+        self.group_runs[key] = [(0, 0)]
         for sub in subs:
             self._subshard[sub.key] = sub
             self.sub_steps[sub.key] = 0
@@ -136,6 +139,14 @@ class ShardOptimizer:
                 self.store.free(k)
             raise
 
+    def set_groups(self, hyper: list[dict], group_runs: dict[str, list[tuple[int, int]]]) -> None:
+        """Parameter groups (param_groups.py): each group's hyperparameters, and each shard's runs
+        of one group, `(start offset, group index)`. Before the first step."""
+        if set(group_runs) != set(self.numel):
+            raise ValueError("ShardOptimizer.set_groups: the runs must name every shard, and only those")
+        self.optimizer = HyperParams(self.config, hyper)
+        self.group_runs = {k: list(v) for k, v in group_runs.items()}
+
     # ---- the step ----
     def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False) -> None:
         """This rank's reduced gradient shard for `key`. `owned=True` hands the tensor over (the
@@ -150,7 +161,7 @@ class ShardOptimizer:
         grad, ready = self._to_kernel(grad.reshape(-1), owned)
         self._arrived.append(key)
         if self.eager:
-            self._submit(key, grad, self._scalars(key, 1.0), ready)
+            self._submit(key, grad, 1.0, ready)
             return
         if ready is not None:
             ready.wait()
@@ -229,21 +240,23 @@ class ShardOptimizer:
             return False
         factor = clip_coefficient(norm, self.config.clip_grad_norm) / scale
         for key in self._arrived:
-            self._submit(key, self._held_loader(key), self._scalars(key, factor))
+            self._submit(key, self._held_loader(key), factor)
         return True
 
-    def _submit(self, key: str, grad: torch.Tensor | Callable[[], torch.Tensor], scalars: Scalars,
+    def _submit(self, key: str, grad: torch.Tensor | Callable[[], torch.Tensor], grad_scale: float,
                 ready: Any = None) -> None:
         """One job per sub-shard of `key`; a split shard's sub-shards write into one assembled buffer."""
         subs = self.subshards[key]
         if len(subs) == 1:
-            self.pipeline.submit(Job(key, self.numel[key], grad, scalars, ready))
+            runs = self._runs(key, 0, self.numel[key], self.steps[key] + 1, grad_scale)
+            self.pipeline.submit(Job(key, self.numel[key], grad, runs[0][1], ready, runs=_multi(runs)))
             return
         full = self._assembly.begin(key, self.numel[key], len(subs), self.compute_dtype)
         load = _shared(grad)
         for p in subs:
-            own = replace(scalars, step=self.sub_steps[p.key] + 1)
-            self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), own, ready, into=full[p.lo:p.hi]))
+            runs = self._runs(key, p.lo, p.hi, self.sub_steps[p.key] + 1, grad_scale)
+            self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), runs[0][1], ready,
+                                     into=full[p.lo:p.hi], runs=_multi(runs)))
 
     def _updated(self, job: Job) -> tuple[str, torch.Tensor, bool] | None:
         """(shard, updated compute copy, owned) once `job` completes its shard, else None."""
@@ -283,11 +296,19 @@ class ShardOptimizer:
             raise RuntimeError("ShardOptimizer.zero_grads: eager shards were already stepped; call finish_step")
         self._arrived, self._held, self._sq_norm = [], set(), 0.0
 
-    def _scalars(self, key: str, grad_scale: float) -> Scalars:
-        g = self.optimizer.param_groups[0]
+    def _runs(self, key: str, lo: int, hi: int, step: int, grad_scale: float) -> list[tuple[int, Scalars]]:
+        """(start offset within [lo, hi), scalars) of each group's run that elements lo..hi of
+        shard `key` cross: the hyperparameters as the param_groups hold them now (a scheduler
+        may have moved them)."""
+        bounds = self.group_runs[key]
+        ends = [start for start, _ in bounds[1:]] + [self.numel[key]]
+        return [(max(start, lo) - lo, self._scalars(g, step, grad_scale))
+                for (start, g), end in zip(bounds, ends) if max(start, lo) < min(end, hi)]
+
+    def _scalars(self, group: int, step: int, grad_scale: float) -> Scalars:
+        g = self.optimizer.param_groups[group]
         b1, b2 = g["betas"]
-        wd = float(g["weight_decay"]) if self.decay[key] else 0.0
-        return Scalars(self.steps[key] + 1, float(g["lr"]), b1, b2, float(g["eps"]), wd,
+        return Scalars(step, float(g["lr"]), b1, b2, float(g["eps"]), float(g["weight_decay"]),
                        self.config.optimizer.name == "adamw", grad_scale)
 
     def _to_kernel(self, grad: torch.Tensor, owned: bool) -> tuple[torch.Tensor, Any]:
@@ -409,6 +430,11 @@ def _shared(grad: torch.Tensor | Callable[[], torch.Tensor]) -> Callable[[], tor
             cache.append(grad())
         return cache[0]
     return load
+
+
+def _multi(runs: list[tuple[int, Scalars]]) -> tuple[tuple[int, Scalars], ...]:
+    """A job's runs, or () when one group's scalars hold for all of it (Job.scalars)."""
+    return tuple(runs) if len(runs) > 1 else ()
 
 
 def _slicer(load: Callable[[], torch.Tensor], lo: int, hi: int) -> Callable[[], torch.Tensor]:

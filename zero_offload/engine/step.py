@@ -51,6 +51,16 @@ class Job:
     out: torch.Tensor | None = None  # filled: updated weights in the compute dtype
     out_owned: bool = False  # out is a fresh tensor (not the store's master): the receiver may keep it
     into: torch.Tensor | None = None  # write the updated weights here (a sub-shard's slice of its shard's)
+    # Parameter groups: (start offset, scalars) of each run of elements with one group's
+    # hyperparameters (param_groups.py); empty when `scalars` holds for the whole job.
+    runs: tuple[tuple[int, Scalars], ...] = ()
+
+    def segments(self) -> list[tuple[int, int, Scalars]]:
+        """(start, end, scalars) of each run, covering the job."""
+        if not self.runs:
+            return [(0, self.numel, self.scalars)]
+        ends = [start for start, _ in self.runs[1:]] + [self.numel]
+        return [(start, end, s) for (start, s), end in zip(self.runs, ends)]
 
 
 def hands_over_master(resident: bool, out_dtype: torch.dtype) -> bool:
@@ -324,19 +334,28 @@ class StepPipeline:
                     self._finished += 1
                     self._idle.notify_all()
 
+    def _step(self, job: Job, tensors: tuple[torch.Tensor, ...], out: torch.Tensor | None) -> None:
+        """The kernel over the job, one call per run of one parameter group's scalars."""
+        if not job.runs:  # one group: no slicing (the worker's Python competes for the GIL)
+            self.kernel(*tensors, job.scalars, out)
+            return
+        for lo, hi, scalars in job.segments():
+            master, grad, m, v = (t[lo:hi] for t in tensors)
+            self.kernel(master, grad, m, v, scalars, None if out is None else out[lo:hi])
+
     def _run(self, job: Job) -> None:
         (master, m, v), staged = self.access.acquire(job.key, job.numel)
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad
         if job.into is None and hands_over_master(staged is None, self.out_dtype):
-            self.kernel(master, grad, m, v, job.scalars, None)
+            self._step(job, (master, grad, m, v), None)
             job.out, job.out_owned = master, False
         else:
             # The kernel writes the updated weights into a buffer of their own in the same pass
             # (an fp32 copy too: a staged master's ring region is reused once released).
             out = job.into if job.into is not None else updated_buffer(job.numel, self.out_dtype, master.device)
-            self.kernel(master, grad, m, v, job.scalars, out)
+            self._step(job, (master, grad, m, v), out)
             job.out, job.out_owned = out, True
         self.access.release(staged)
         job.grad = torch.empty(0)  # the gradient is consumed: free it now, not at drain()
