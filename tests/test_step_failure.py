@@ -163,6 +163,13 @@ def _fails_on_rank_one(rank: int, world: int, stage: int, tmp: str) -> None:
     with pytest.raises(RuntimeError, match=f"the optimizer step {expected} kernel failure"):
         train(1)
     patch.undo()
+    if stage in (1, 2):  # the shards stepped before the failure are in every rank's compute copy
+        masters = engine.consolidated_state_dict()
+        if rank == 0:
+            moved = [n for n, p in engine.module.named_parameters() if p.requires_grad and not torch.equal(p, masters[n])]
+            assert not moved, f"compute copy behind the masters: {moved}"
+        sums = comm.gather_objects(float(sum(p.double().sum() for p in engine.module.parameters())))
+        assert sums[0] == sums[-1], sums
     if stage == 0:  # every rank steps every shard: rank 0's replica moved on, rank 1's only in part
         with pytest.raises(EngineStateError, match="left the stage-0 replicas different; load a checkpoint"):
             train(2)
@@ -174,11 +181,12 @@ def _fails_on_rank_one(rank: int, world: int, stage: int, tmp: str) -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int, tmp_path: object) -> None:
     """Rank 1's CPU Adam fails part way: rank 0 used to go on into the step's all-gathers (or
     the next forward's) and wait there for ever; now every rank raises, naming the rank, and the
-    next step runs on both."""
+    next step runs on both. At stages 1-2 the compute copy then holds what was stepped (it kept
+    the old weights of every bucket, so the next forward ran on weights behind the masters)."""
     from _dist import run_ranks
 
     run_ranks(_fails_on_rank_one, 2, timeout=90, stage=stage, tmp=str(tmp_path))

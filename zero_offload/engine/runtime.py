@@ -112,7 +112,11 @@ class BucketRuntime:
     def step(self) -> bool:
         """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
         try:
-            applied = self.shard_optimizer.finish_step()
+            try:
+                applied = self.shard_optimizer.finish_step()
+            except Exception:  # agreed on every rank (an interrupt is not: it leaves at once)
+                self._install_partial_step()
+                raise
             for b in self.buckets:
                 if b.key in self._to_gather:
                     self._install(b, *self._to_gather[b.key])
@@ -120,6 +124,22 @@ class BucketRuntime:
             self._to_gather.clear()
         self.shard_optimizer.prefetch()  # after the installs: its thread would compete for the GIL
         return applied
+
+    def _install_partial_step(self) -> None:
+        """After a step that failed on some rank (stages 1-2, D > 1): the shards each rank did
+        step keep their update (finish_step), so the compute copy must follow them, as it does at
+        D = 1 where each is installed as it finishes. Every rank all-gathers every bucket, in
+        order: its updated shard where it stepped one, else its shard of the compute copy as it
+        stands (what its master holds, in the compute dtype); nothing is read from the store,
+        which may be what failed."""
+        if all(b.layout.world == 1 for b in self.buckets):
+            return
+        for b in self.buckets:
+            shard, owned = self._to_gather.get(b.key, (None, True))
+            if shard is None:
+                out = torch.empty(b.layout.shard_numel, dtype=self.dtype, device=self.device)
+                shard = b.layout.shard_from([p.detach() for p in b.params], self.rank, out)
+            self._install(b, shard, owned)
 
     def _install(self, b: Bucket, shard: torch.Tensor, owned: bool = False) -> None:
         """Compute copy of bucket `b` from this rank's updated shard (all-gathered at stage 1-2).
