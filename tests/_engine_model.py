@@ -75,10 +75,11 @@ def reference_run(steps: int, rows: int, dtype: torch.dtype, *, lr: float = 1e-2
                   clip: float = 0.0, device: str = "cpu",
                   groups: tuple[Callable[[str], int], list[dict]] | None = None,
                   schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final fp32 weights of the single-process reference (see the module docstring).
     `groups`, if given: (parameter name -> group index, each group's AdamW overrides);
-    `schedule`, if given, makes an LR scheduler of the optimizer, stepped after every step."""
+    `schedule`, if given, makes an LR scheduler of the optimizer, stepped after every step;
+    `norms`, if given, receives each step's total gradient norm when clipping."""
     model = make_model().to(device, dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -100,7 +101,9 @@ def reference_run(steps: int, rows: int, dtype: torch.dtype, *, lr: float = 1e-2
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
             p.grad = None
         if clip:
-            torch.nn.utils.clip_grad_norm_(masters, clip)
+            norm = torch.nn.utils.clip_grad_norm_(masters, clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         if scheduler is not None:
             scheduler.step()
