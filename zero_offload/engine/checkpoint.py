@@ -12,15 +12,17 @@ Layout of a checkpoint directory:
                          listed in rank{r}.json's frozen_map and resharded the same way
   rank{r}.rng.pt         that rank's RNG states (restored only when the world size is unchanged)
   model.pt               buffers and frozen parameters that live in the module itself
+  manifest.crc32         the manifest's own CRC32 (manifest_checks.py)
 All .pt files hold plain tensors only and are read with torch.load(weights_only=True); the
 manifest also holds the CRC32 of every rank{r}.json.
 
 Saving happens only at a gradient-accumulation boundary (partial gradient sums are not part of a
 checkpoint), so a load starts a fresh cycle and may change gradient_accumulation_steps.
 
-Loading checks everything it can before it changes anything: the manifest and shard maps, the
-shapes of trainable and frozen parameters, model.pt's names, shapes and dtypes, the RNG file, and
-that the saved pieces cover every element; every rank does, and all refuse if one does. What can
+Loading checks everything it can before it changes anything: the manifest (its checksum and every
+field's kind) and shard maps, the shapes of trainable and frozen parameters, model.pt's names,
+shapes and dtypes, the RNG file, that the saved pieces cover every element, and that every shard
+file it will read is there at its saved size; every rank does, and all refuse if one does. What can
 only be found while shards are being written (a shard file whose bytes fail their checksum, an I/O
 error of the engine's own store) leaves every rank's engine refusing to train or save until a load
 succeeds (its state is partly overwritten), rather than going on with a mixture.
@@ -28,7 +30,9 @@ succeeds (its state is partly overwritten), rather than going on with a mixture.
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
 `<path>` aside to `<path>.old`, renames the new one into place, fsyncs the parent and deletes the
 old one. A crash at any point leaves either `<path>` or `<path>.old` complete, and load() takes
-`<path>.old` when `<path>` is missing. Multi-node saving needs `path` on a shared file system.
+`<path>.old` when `<path>` is missing. A save refuses a `<path>`, `<path>.tmp` or `<path>.old` that
+holds anything but a checkpoint or a save's leftovers (each save marks its directory first), and a
+path that is or holds the current directory. Multi-node saving needs `path` on a shared file system.
 """
 from __future__ import annotations
 
@@ -43,12 +47,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zero_offload import comm
+from zero_offload.engine import manifest_checks
 from zero_offload.engine.step import PARTS
 
 if TYPE_CHECKING:
     from zero_offload.engine.engine import Engine
 
 FORMAT = 1
+MARKER = ".zero_offload_checkpoint"  # written first into every save's directory: a save's own leftovers
 PAUSE_ENV = "ZERO_OFFLOAD_TEST_SAVE_PAUSE"  # tests: seconds to sleep after the first shard file
 
 
@@ -104,7 +110,7 @@ def save(engine: "Engine", path: str) -> None:
     after each phase (rank 0 making `<path>.tmp`, every rank writing its files, rank 0's manifest
     and swap), so a failure on any rank raises on all of them instead of leaving the others
     waiting; the previous checkpoint stays in place."""
-    path = os.path.abspath(path)
+    path = _checked_path(path)
     tmp, rank = path + ".tmp", comm.rank()
     _agree(_attempt(_check_target, path), "will not save there")
     _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
@@ -121,9 +127,22 @@ def _attempt(fn: Any, *args: Any) -> Exception | None:
     return None
 
 
+def _checked_path(path: Any) -> str:
+    """The absolute path to save to; a save replaces that directory as a whole, so one that is
+    (or holds) the current directory is refused: it would be renamed away from under the process."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise CheckpointError(f"save_checkpoint: the path must be a non-empty str or os.PathLike, got {path!r}")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.commonpath([path, os.getcwd()]) == path:
+        raise CheckpointError(f"cannot save a checkpoint to {path}: it is or holds the current directory; "
+                              "name a directory of its own")
+    return path
+
+
 def _make_tmp(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's, or absent (_check_target checked it)
     os.makedirs(tmp)
+    open(os.path.join(tmp, MARKER), "w").close()
 
 
 def _write_rank(engine: "Engine", tmp: str) -> None:
@@ -151,12 +170,16 @@ def _write_rank(engine: "Engine", tmp: str) -> None:
 
 
 def _check_target(path: str) -> None:
-    """Saving replaces `path` as a whole: refuse when it holds anything but a checkpoint."""
-    if os.path.isfile(path):
-        raise CheckpointError(f"cannot save a checkpoint to {path}: it is a file")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")):
-        raise CheckpointError(f"cannot save a checkpoint to {path}: the directory holds files and no manifest.json "
-                              "(not a checkpoint); saving would replace it")
+    """Saving replaces `path` as a whole, and removes `<path>.tmp` (a crashed save's) and
+    `<path>.old` (the previous checkpoint, moved aside): refuse when any of them holds anything
+    but a checkpoint or a save's leftovers."""
+    for target in (path, path + ".tmp", path + ".old"):
+        if os.path.isfile(target) or os.path.islink(target):
+            raise CheckpointError(f"cannot save a checkpoint to {path}: {target} is a file or a link")
+        if os.path.isdir(target) and os.listdir(target) and not any(
+                os.path.isfile(os.path.join(target, mark)) for mark in ("manifest.json", MARKER)):
+            raise CheckpointError(f"cannot save a checkpoint to {path}: {target} holds files and is not a "
+                                  "checkpoint (no manifest.json); saving would remove it")
 
 
 def _finish(engine: "Engine", tmp: str, path: str) -> None:
@@ -181,10 +204,13 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
                 "micro_step": engine.micro_step, "global_steps": engine.global_steps,
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
-                "maps": maps, "files": files}
+                "maps": maps, "files": files,
+                "sizes": {name: os.path.getsize(os.path.join(tmp, name)) for name in files}}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
+    with open(os.path.join(tmp, "manifest.json"), "rb") as f:
+        manifest_checks.write_crc(tmp, f.read())
     _fsync_file(tmp)
-    old = path + ".old"
+    old = path + ".old"  # a checkpoint, or absent (_check_target): the new one supersedes it
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
@@ -209,8 +235,13 @@ def _read_json(path: str, crc32: int | None = None) -> Any:
         if crc32 is not None and zlib.crc32(raw) != crc32:
             raise CheckpointError(f"checkpoint file {path} fails its checksum")
         return json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {_why(exc)}") from None
+
+
+def _why(exc: BaseException) -> str:
+    """An error in one line that says something even when its message is empty."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class _Reader:
@@ -227,7 +258,7 @@ class _Reader:
             try:
                 data = torch.load(full, map_location="cpu", weights_only=True)
             except Exception as exc:
-                raise CheckpointError(f"cannot read checkpoint file {full}: {exc}") from None
+                raise CheckpointError(f"cannot read checkpoint file {full}: {_why(exc)}") from None
             for k, meta in self.files[name].items():
                 t = data.get(k) if isinstance(data, dict) else None
                 if not isinstance(t, torch.Tensor) or _describe(t) != meta:
@@ -291,10 +322,18 @@ def _agree(error: BaseException | None, what: str) -> None:
 def _prepare(engine: "Engine", path: str) -> _Load:
     rt = engine.runtime
     root = _resolve(path)
-    manifest = _read_json(os.path.join(root, "manifest.json"))
+    try:
+        crc = manifest_checks.saved_crc(root)
+    except (OSError, UnicodeDecodeError, manifest_checks.ManifestError) as exc:
+        raise CheckpointError(f"checkpoint {root}: cannot read {manifest_checks.CRC_FILE}: {_why(exc)}") from None
+    manifest = _read_json(os.path.join(root, "manifest.json"), crc)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {root} has format "
                               f"{manifest.get('format') if isinstance(manifest, dict) else None}, expected {FORMAT}")
+    try:
+        manifest_checks.check(manifest)
+    except manifest_checks.ManifestError as exc:
+        raise CheckpointError(f"checkpoint {root}: manifest.json: {exc}") from None
     _check_shapes(root, "trainable parameters", rt.param_shapes(), manifest["param_shapes"])
     if "frozen_shapes" in manifest:  # older checkpoints: stage-3 frozen shards stay as initialized
         _check_shapes(root, "frozen parameters", rt.frozen_shapes(), manifest["frozen_shapes"])
@@ -308,10 +347,31 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     reader = _Reader(root, manifest)
     maps = _read_maps(root, manifest)
     same_world = manifest["world"] == comm.world_size()
-    return _Load(root, manifest, reader, _plan(maps, "shard_map", rt.shard_map()),
-                 _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {},
-                 _checked_non_trainable(engine, reader.get("model.pt"), root),
+    shards = _plan(maps, "shard_map", rt.shard_map())
+    frozen = _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {}
+    _check_files(root, manifest, {f for copies in (*shards.values(), *frozen.values()) for f, *_ in copies})
+    return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, reader.get("model.pt"), root),
                  _rng(reader, manifest) if same_world else None, same_world)
+
+
+def _check_files(root: str, manifest: dict[str, Any], names: set[str]) -> None:
+    """Every shard file the load will read is there, a file, and (where the manifest records
+    sizes) of its saved size: shard files are read only once the load has begun writing, so
+    a missing or truncated one found then would leave the engine stopped."""
+    sizes = manifest.get("sizes", {})
+    for name in sorted(names):
+        full = os.path.join(root, name)
+        if name not in manifest["files"]:
+            raise CheckpointError(f"checkpoint file {full} is named by a shard map but not in the manifest")
+        try:
+            st = os.stat(full)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {full} cannot be read: {_why(exc)}") from None
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint file {full} is not a regular file")
+        if name in sizes and st.st_size != sizes[name]:
+            raise CheckpointError(f"checkpoint file {full} has {st.st_size} bytes, the manifest says {sizes[name]} "
+                                  "(truncated or replaced)")
 
 
 def _apply(engine: "Engine", plan: _Load) -> None:
