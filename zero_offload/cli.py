@@ -154,6 +154,8 @@ def _check_estimate_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--dp {args.dp}: must be >= 1")
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise CLIError(f"--ranks-per-node {args.ranks_per_node}: must be >= 1")
+    if args.ranks_per_node is not None and args.ranks_per_node > args.dp:  # one machine holds some of the D ranks
+        raise CLIError(f"--ranks-per-node {args.ranks_per_node}: must be <= --dp {args.dp}")
 
 
 def _refusal(stage: int, tiers: dict[str, str], precision: str) -> str | None:

@@ -229,10 +229,13 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Config":
-        """Build from a plain dict (as read from JSON); unknown keys are errors."""
+        """Build from a plain dict (as read from JSON); unknown keys are errors. A DeepSpeed config
+        is recognised by any key only DeepSpeed has, as it may leave out zero_optimization."""
+        from zero_offload.deepspeed_compat import is_deepspeed
+
         if not isinstance(data, Mapping):
             raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        if "zero_optimization" in data:
+        if is_deepspeed(data):
             return cls.from_deepspeed(data)
         return _build(cls, data, "")
 
@@ -240,12 +243,16 @@ class Config:
     def from_file(cls, path: str) -> "Config":
         """Build from a JSON file (ours or DeepSpeed's)."""
         try:
-            with open(path) as f:
-                data = json.load(f)
+            with open(path, "rb") as f:  # decoded whole, so a bad byte's offset is the file's
+                data = json.loads(f.read().decode("utf-8"))  # JSON is UTF-8 (RFC 8259), whatever the locale
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text: byte {exc.start} is invalid") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        except RecursionError:  # json's parser recurses once per nesting level
+            raise ConfigError(f"config file {path} is nested too deeply") from None
         return cls.from_dict(data)
 
     @classmethod

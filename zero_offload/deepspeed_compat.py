@@ -5,15 +5,19 @@ setting the user relies on is never silently dropped. Keys DeepSpeed uses only f
 bookkeeping (logging) are listed in _INERT and accepted without effect, because they do not
 change what is stored where or how the step is computed. The batch sizes do: DeepSpeed derives
 the accumulation steps from them (train_batch_size = micro batch x accumulation x world size),
-and so do we (the world size: the process group's, else the launcher's WORLD_SIZE).
+and so do we (the world size: the process group's, else the launcher's WORLD_SIZE). A dict is
+read as DeepSpeed's when it has a top-level key only DeepSpeed has (`is_deepspeed`), with or
+without zero_optimization.
 
 Every value we map is type-checked here, under its DeepSpeed name: JSON has no schema, and a
 Python `bool("false")` or `int(True)` would silently turn a slip into a setting.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+from dataclasses import fields
 from typing import Any, Mapping
 
 from zero_offload.config import Config, ConfigError
@@ -21,10 +25,22 @@ from zero_offload.config import Config, ConfigError
 _INERT = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state"}
 _TOP = {"zero_optimization", "bf16", "fp16", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
         "aio", "train_batch_size", "train_micro_batch_size_per_gpu"} | _INERT
+# DeepSpeed top-level keys we do not reproduce: refused by name, and like every DeepSpeed-only key
+# they mark a dict as a DeepSpeed config (which need not have zero_optimization).
+_REFUSED_TOP = {"scheduler", "amp", "activation_checkpointing", "communication_data_type", "prescale_gradients",
+                "gradient_predivide_factor", "sparse_gradients", "flops_profiler", "tensorboard", "wandb",
+                "csv_monitor", "zero_force_ds_cpu_optimizer", "elasticity", "autotuning", "data_types",
+                "memory_breakdown"}
+_OURS = {f.name for f in fields(Config)}
+# optimizer and gradient_accumulation_steps are keys of both formats, so they say neither.
+_DS_ONLY = (_TOP | _REFUSED_TOP) - _OURS
+_OURS_ONLY = _OURS - _TOP
 # contiguous_gradients is accepted because we always lay gradients out contiguously.
 _ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
          "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold"}
 _OFFLOAD = {"device", "nvme_path", "pin_memory"}
+# offload block -> the tier (state group) it moves
+_BLOCK_GROUP = {"offload_optimizer": "optimizer", "offload_param": "params"}
 _AIO = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism"}
 _ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"}
 # fp16 key -> (our precision field, whether it is an integer)
@@ -93,19 +109,32 @@ def _nvme_paths(block: Mapping[str, Any], key: str) -> list[str]:
     return items
 
 
-def _offload(zero: Mapping[str, Any], key: str, paths: list[str]) -> str:
-    """The tier an offload_* block asks for; collects its nvme_path."""
+def _offload(zero: Mapping[str, Any], key: str) -> tuple[str, list[str]]:
+    """The tier an offload_* block asks for, and its nvme_path(s) when that tier is nvme."""
     block = _section(zero, key, "zero_optimization")
     _unknown(f"zero_optimization.{key}", block, _OFFLOAD)
     device = block.get("device", "none")
     tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}.get(device) if isinstance(device, str) else None
     if tier is None:
         raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = {device!r}: expected none, cpu or nvme")
-    if tier == "nvme":
-        for p in _nvme_paths(block, key):
-            if p not in paths:
-                paths.append(p)
-    return tier
+    return tier, (_nvme_paths(block, key) if tier == "nvme" else [])
+
+
+def _dirs(paths: list[str]) -> set[str]:
+    """The directories a path list names, so '/mnt/a/' and '/mnt/a' (or another order) compare equal."""
+    return {os.path.normpath(os.path.expanduser(p)) for p in paths}
+
+
+def _shared_nvme_paths(optimizer: list[str], params: list[str]) -> tuple[str, ...]:
+    """One path list for both blocks: we stripe every group over the same paths, while DeepSpeed
+    keeps each group's files on its own path, so two blocks naming different ones are refused
+    rather than merged (which would put each group's files on the other's drive too)."""
+    if optimizer and params and _dirs(optimizer) != _dirs(params):
+        shown = [p[0] if len(p) == 1 else p for p in (optimizer, params)]
+        raise ConfigError(f"DeepSpeed zero_optimization.offload_optimizer.nvme_path = {shown[0]!r} and "
+                          f"offload_param.nvme_path = {shown[1]!r} differ: zero_offload stripes every group over "
+                          "one list of paths; give the same path (or list) for both")
+    return tuple(dict.fromkeys(optimizer or params))
 
 
 def _fp16_settings(block: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,12 +220,22 @@ def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
     return out
 
 
-def _pin_memory(zero: Mapping[str, Any]) -> dict[str, Any]:
-    """pin_memory of either offload block; pinned if either asks for it, absent if neither says."""
-    blocks = [_section(zero, k, "zero_optimization") for k in ("offload_optimizer", "offload_param")]
-    pins = [_flag(b, "pin_memory", f"zero_optimization.{k}", False)
-            for b, k in zip(blocks, ("offload_optimizer", "offload_param")) if "pin_memory" in b]
-    return {"pin_memory": any(pins)} if pins else {}
+def _pin_memory(zero: Mapping[str, Any], tiers: Mapping[str, str]) -> dict[str, Any]:
+    """Our one pin_memory flag from the offload blocks'. DeepSpeed's default is false, so neither
+    saying means unpinned (not our default, true). A block that offloads nothing (device none) has
+    nothing to pin; two offloading blocks that disagree are refused, as one flag cannot keep both."""
+    said: dict[str, bool] = {}
+    for key, group in _BLOCK_GROUP.items():
+        block = _section(zero, key, "zero_optimization")
+        pin = _flag(block, "pin_memory", f"zero_optimization.{key}", False)  # checked even where unused
+        if "pin_memory" in block and tiers[group] != "device":
+            said[key] = pin
+    if len(set(said.values())) > 1:
+        opt, par = (json.dumps(said[k]) for k in _BLOCK_GROUP)
+        raise ConfigError(f"DeepSpeed zero_optimization.offload_optimizer.pin_memory = {opt} and "
+                          f"offload_param.pin_memory = {par} differ: zero_offload pins host memory for every "
+                          "group or for none; give both the same value")
+    return {"pin_memory": any(said.values())}
 
 
 def _world_size() -> int:
@@ -213,13 +252,33 @@ def _world_size() -> int:
 
 
 def _accumulation(data: Mapping[str, Any]) -> int | None:
-    """gradient_accumulation_steps as DeepSpeed has it: given, or derived from train_batch_size =
-    train_micro_batch_size_per_gpu x steps x world size; all three given must agree."""
+    """gradient_accumulation_steps as DeepSpeed has it: DeepSpeed requires train_batch_size =
+    train_micro_batch_size_per_gpu x steps x world size and derives the one left out, so a given
+    train_batch_size must divide as that says, else DeepSpeed refuses the config and so do we."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     total, micro, steps = (_number(data[k], k, integer=True) if k in data else None for k in keys)
-    if total is None or micro is None:
+    if total is None:
         return steps
-    world = _world_size()
+    if micro is None:
+        return _steps_without_micro(total, steps, _world_size())
+    return _steps_with_micro(total, micro, steps, _world_size())
+
+
+def _steps_without_micro(total: int, steps: int | None, world: int) -> int:
+    """DeepSpeed's micro batch is then train_batch_size / (steps x world size), steps 1 when not
+    given; a micro batch that is not a whole number >= 1 is refused."""
+    if steps is not None and steps < 1:
+        raise _bad("gradient_accumulation_steps", steps, "an integer >= 1")
+    per_micro = (1 if steps is None else steps) * world
+    if total < per_micro or total % per_micro:
+        given = "" if steps is None else f"gradient_accumulation_steps {steps} x "
+        raise ConfigError(f"DeepSpeed train_batch_size = {total} is not {given}world size {world} x a whole "
+                          "train_micro_batch_size_per_gpu >= 1")
+    return 1 if steps is None else steps
+
+
+def _steps_with_micro(total: int, micro: int, steps: int | None, world: int) -> int:
+    """The steps train_batch_size / (micro x world size), which a given steps must equal."""
     derived, rest = divmod(total, micro * world) if micro > 0 else (0, 1)
     if rest or derived < 1 or (steps is not None and steps != derived):
         given = "" if steps is None else f" x gradient_accumulation_steps {steps}"
@@ -246,22 +305,45 @@ def _training(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def is_deepspeed(data: Mapping[str, Any]) -> bool:
+    """Whether a config dict is DeepSpeed's: it has a top-level key only DeepSpeed has (DeepSpeed
+    needs no zero_optimization). Keys only we have besides are refused: read as either format,
+    the other's keys would be reported as unknown, which hides that the file mixes the two."""
+    theirs = sorted(str(k) for k in data if k in _DS_ONLY)
+    ours = sorted(str(k) for k in data if k in _OURS_ONLY)
+    if theirs and ours:
+        raise ConfigError(f"config mixes zero_offload keys ({', '.join(ours)}) with DeepSpeed keys "
+                          f"({', '.join(theirs)}): write it in one format")
+    return bool(theirs)
+
+
+def _whole_config(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The whole DeepSpeed config: `data`, or a bare zero_optimization block (one with no
+    top-level key) wrapped as one. zero_optimization keys beside top-level ones are misplaced."""
+    if not any(k in _TOP or k in _REFUSED_TOP for k in data):
+        return {"zero_optimization": data}
+    misplaced = sorted(str(k) for k in data if k in _ZERO)
+    if misplaced:
+        raise ConfigError(f"DeepSpeed key(s) {', '.join(misplaced)} belong under zero_optimization, "
+                          "not at the top level of the config")
+    return data
+
+
 def config_from_deepspeed(data: Mapping[str, Any]) -> Config:
     """Map a DeepSpeed config dict onto ours; a bare zero_optimization dict is accepted too."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(data).__name__}")
-    if "zero_optimization" not in data:
-        data = {"zero_optimization": data}
+    data = _whole_config(data)
     _unknown("the DeepSpeed config", data, _TOP)
     zero = _section(data, "zero_optimization", "")
     _unknown("zero_optimization", zero, _ZERO)
-    paths: list[str] = []
-    tiers = {"optimizer": _offload(zero, "offload_optimizer", paths), "params": _offload(zero, "offload_param", paths)}
+    (opt_tier, opt_paths), (par_tier, par_paths) = (_offload(zero, k) for k in _BLOCK_GROUP)
     # DeepSpeed keeps reduced gradients next to the offloaded optimizer; so do we.
-    tiers["grads"] = "cpu" if tiers["optimizer"] != "device" else "device"
+    tiers = {"optimizer": opt_tier, "params": par_tier, "grads": "cpu" if opt_tier != "device" else "device"}
     precision = _precision(data)
     dtype_bytes = 4 if precision["dtype"] == "fp32" else 2
-    kwargs: dict[str, Any] = {"tiers": tiers, "precision": precision, "nvme_paths": tuple(paths),
+    kwargs: dict[str, Any] = {"tiers": tiers, "precision": precision,
+                              "nvme_paths": _shared_nvme_paths(opt_paths, par_paths),
                               "optimizer": _optimizer(data), **_zero_scalars(zero, dtype_bytes),
-                              **_pin_memory(zero), **_training(data)}
+                              **_pin_memory(zero, tiers), **_training(data)}
     return Config(**kwargs)

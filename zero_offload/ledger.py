@@ -103,6 +103,14 @@ def _check_int(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def _check_ranks_per_node(ranks_per_node: int, dp: int) -> None:
+    """Ranks on one machine are some of the D ranks: more would multiply the machine totals by
+    ranks that do not exist."""
+    _check_int("ranks_per_node", ranks_per_node, 1)
+    if ranks_per_node > dp:
+        raise ValueError(f"ranks_per_node must be <= dp = {dp} (the ranks of all machines), got {ranks_per_node}")
+
+
 def _check_tiers(tiers: Mapping[str, str] | None) -> dict[str, str]:
     """Every group's tier, checked: an unknown tier would drop the group's bytes from every
     column (per-tier totals would no longer add up), and a misspelt group would be ignored."""
@@ -124,14 +132,14 @@ def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapp
     """The ideal retained bytes per rank for P=`params`, D=`dp` at ZeRO `stage`.
 
     `tiers` maps 'params'/'grads'/'optimizer' to 'device'/'cpu'/'nvme' (default: all on device).
-    `ranks_per_node` defaults to D (one machine).
+    `ranks_per_node` defaults to D (one machine) and may not exceed it.
     """
     _check_int("params", params, 0)
     _check_int("dp", dp, 1)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if ranks_per_node is not None:
-        _check_int("ranks_per_node", ranks_per_node, 1)
+        _check_ranks_per_node(ranks_per_node, dp)
     tiers = _check_tiers(tiers)
     per_param = bytes_per_param(precision)
     per_rank: dict[str, dict[str, Fraction]] = {}

@@ -1,0 +1,214 @@
+"""DeepSpeed configs read as DeepSpeed reads them, and config files and estimate flags that
+were accepted wrongly (or crashed) now refused in one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zero_offload import cli, comm, ledger
+from zero_offload.config import Config, ConfigError
+from zero_offload.deepspeed_compat import config_from_deepspeed
+
+
+def _one_line(text: str) -> None:
+    assert len(str(text).strip().splitlines()) == 1 and "Traceback" not in str(text), text
+
+
+def _refused(data: dict, needle: str) -> str:
+    with pytest.raises(ConfigError) as exc:
+        Config.from_dict(data)
+    _one_line(str(exc.value))
+    assert needle in str(exc.value), str(exc.value)
+    return str(exc.value)
+
+
+# ---- recognising a DeepSpeed config -----------------------------------------------------------
+
+NO_ZERO = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+           "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "gradient_clipping": 1.0}
+
+
+def test_deepspeed_config_without_zero_optimization_is_mapped(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was read as ours: "unknown config key 'train_batch_size'"."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(NO_ZERO))
+    for cfg in (Config.from_dict(NO_ZERO), Config.from_file(str(path))):
+        assert cfg.stage == 0 and cfg.gradient_accumulation_steps == 4 and cfg.clip_grad_norm == 1.0
+        assert cfg.precision.dtype == "bf16" and cfg.optimizer.lr == 1e-4 and cfg.optimizer.weight_decay == 0.0
+
+
+@pytest.mark.parametrize("data,check", [
+    ({"gradient_clipping": 0.5}, lambda c: c.clip_grad_norm == 0.5),
+    ({"fp16": {"enabled": True}}, lambda c: c.precision.dtype == "fp16"),
+    ({"steps_per_print": 10, "gradient_accumulation_steps": 2}, lambda c: c.gradient_accumulation_steps == 2),
+])
+def test_any_deepspeed_only_key_marks_a_deepspeed_config(data: dict, check: Any) -> None:
+    assert check(Config.from_dict(data))
+
+
+def test_unsupported_deepspeed_key_is_named_as_deepspeeds() -> None:
+    """Not "unknown config key 'scheduler'; valid keys: stage, ...", which lists our keys."""
+    _refused({"scheduler": {"type": "WarmupLR"}, "gradient_clipping": 1.0},
+             "DeepSpeed key(s) not supported by zero_offload in the DeepSpeed config: scheduler")
+
+
+def test_mixing_our_keys_with_deepspeeds_is_refused() -> None:
+    _refused({"stage": 2, "bf16": {"enabled": True}},
+             "config mixes zero_offload keys (stage) with DeepSpeed keys (bf16)")
+
+
+def test_zero_optimization_keys_at_the_top_level_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"stage belong under zero_optimization"):
+        config_from_deepspeed({"stage": 2, "train_batch_size": 8})
+
+
+def test_our_config_and_a_bare_zero_block_still_read_as_before() -> None:
+    assert Config.from_dict({"stage": 2, "gradient_accumulation_steps": 3}).gradient_accumulation_steps == 3
+    bare = Config.from_deepspeed({"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    assert bare.stage == 2 and bare.tiers.optimizer == "cpu"
+
+
+# ---- batch sizes DeepSpeed refuses ------------------------------------------------------------
+
+@pytest.mark.parametrize("world,ds,needle", [
+    ("2", {"train_batch_size": 8, "gradient_accumulation_steps": 3},
+     "train_batch_size = 8 is not gradient_accumulation_steps 3 x world size 2 x a whole"),
+    ("3", {"train_batch_size": 8}, "train_batch_size = 8 is not world size 3 x a whole"),
+    ("4", {"train_batch_size": 2}, "train_batch_size = 2 is not world size 4 x a whole"),
+    ("1", {"train_batch_size": 0}, "train_batch_size = 0 is not world size 1 x a whole"),
+    ("1", {"train_batch_size": 4, "gradient_accumulation_steps": 8}, "gradient_accumulation_steps 8 x world size 1"),
+    ("1", {"train_batch_size": 4, "gradient_accumulation_steps": 0}, "DeepSpeed key 'gradient_accumulation_steps'"),
+])
+def test_batch_sizes_without_the_micro_batch_must_divide(world: str, ds: dict, needle: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """They were accepted as they came (the accumulation steps unchecked, or 1)."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    _refused({"zero_optimization": {"stage": 2}, **ds}, needle)
+
+
+@pytest.mark.parametrize("world,ds,steps", [
+    ("2", {"train_batch_size": 8, "gradient_accumulation_steps": 2}, 2),
+    ("4", {"train_batch_size": 8}, 1),
+    ("1", {"gradient_accumulation_steps": 5}, 5),
+])
+def test_batch_sizes_without_the_micro_batch_that_divide_are_kept(world: str, ds: dict, steps: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert Config.from_dict({"zero_optimization": {"stage": 2}, **ds}).gradient_accumulation_steps == steps
+
+
+def test_batch_size_check_uses_the_process_groups_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(comm, "is_distributed", lambda: True)
+    monkeypatch.setattr(comm, "world_size", lambda: 4)
+    _refused({"train_batch_size": 6, "zero_optimization": {"stage": 1}}, "world size 4")
+
+
+# ---- pin_memory ---------------------------------------------------------------------------------
+
+def _offload(opt: dict, par: dict | None = None) -> dict:
+    zero: dict = {"stage": 2 if par is None else 3, "offload_optimizer": {"device": "cpu", **opt}}
+    if par is not None:
+        zero["offload_param"] = {"device": "cpu", **par}
+    return {"zero_optimization": zero}
+
+
+@pytest.mark.parametrize("data,pinned", [
+    (_offload({}), False),  # DeepSpeed's default; ours (True) was used
+    (_offload({}, {}), False),
+    (_offload({"pin_memory": True}), True),
+    (_offload({"pin_memory": True}, {"pin_memory": True}), True),
+    (_offload({"pin_memory": False}, {"pin_memory": False}), False),
+    (_offload({"pin_memory": True}, {}), True),
+    # offload_param on the device has nothing to pin, so its false does not disagree
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                            "offload_param": {"device": "none", "pin_memory": False}}}, True),
+])
+def test_pin_memory_follows_deepspeed(data: dict, pinned: bool) -> None:
+    assert Config.from_dict(data).pin_memory is pinned
+
+
+def test_offload_blocks_that_disagree_on_pin_memory_are_refused() -> None:
+    """They were ORed: an explicit pin_memory false was overruled."""
+    _refused(_offload({"pin_memory": False}, {"pin_memory": True}),
+             "offload_optimizer.pin_memory = false and offload_param.pin_memory = true differ")
+
+
+# ---- nvme_path --------------------------------------------------------------------------------
+
+def _nvme(opt: Any, par: Any) -> dict:
+    return {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": opt},
+                                  "offload_param": {"device": "nvme", "nvme_path": par}}}
+
+
+def test_offload_blocks_with_different_nvme_paths_are_refused() -> None:
+    """They were merged into one striped list: each group's files went to both drives."""
+    err = _refused(_nvme("/mnt/opt", "/mnt/param"),
+                   "offload_optimizer.nvme_path = '/mnt/opt' and offload_param.nvme_path = '/mnt/param' differ")
+    assert "give the same path (or list) for both" in err
+    _refused(_nvme(["/mnt/a", "/mnt/b"], "/mnt/a"), "differ")
+
+
+@pytest.mark.parametrize("opt,par,paths", [
+    ("/mnt/a", "/mnt/a", ("/mnt/a",)),
+    ("/mnt/a/", "/mnt/a", ("/mnt/a/",)),
+    (["/mnt/a", "/mnt/b"], ["/mnt/b", "/mnt/a"], ("/mnt/a", "/mnt/b")),
+])
+def test_offload_blocks_with_the_same_nvme_paths_share_them(opt: Any, par: Any, paths: tuple) -> None:
+    assert Config.from_dict(_nvme(opt, par)).nvme_paths == paths
+
+
+# ---- config files that are not JSON we can read -----------------------------------------------
+
+def _check_cli(capsys: pytest.CaptureFixture, path: Path) -> str:
+    rc = cli.main(["config", "--check", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", (rc, out, err)
+    _one_line(err)
+    return err
+
+
+def test_config_file_nested_too_deeply_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """json's parser raised RecursionError, which nothing caught: a traceback."""
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match=f"config file {path} is nested too deeply"):
+        Config.from_file(str(path))
+    assert f"config file {path} is nested too deeply" in _check_cli(capsys, path)
+
+
+def test_config_file_not_utf8_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The UnicodeDecodeError's own text ('utf-8' codec can't decode ...) did not name the file."""
+    path = tmp_path / "bad.json"
+    path.write_bytes(b'{"stage": 1, ' + b"\xff" + b"}")
+    with pytest.raises(ConfigError, match=f"config file {path} is not UTF-8 text: byte 13 is invalid"):
+        Config.from_file(str(path))
+    assert f"config file {path} is not UTF-8 text" in _check_cli(capsys, path)
+
+
+# ---- estimate --ranks-per-node ----------------------------------------------------------------
+
+def test_estimate_refuses_more_ranks_per_node_than_ranks(capsys: pytest.CaptureFixture) -> None:
+    """--dp 2 --ranks-per-node 8 printed host RAM for 8 ranks."""
+    rc = cli.main(["estimate", "--params", "1000", "--dp", "2", "--ranks-per-node", "8", "--stage", "2",
+                   "--optimizer-tier", "cpu", "--grads-tier", "cpu"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "--ranks-per-node 8: must be <= --dp 2" in err
+    _one_line(err)
+
+
+def test_ledger_refuses_more_ranks_per_node_than_ranks() -> None:
+    with pytest.raises(ValueError, match=r"ranks_per_node must be <= dp = 2 .*got 3$"):
+        ledger.ideal(12, 2, 1, ranks_per_node=3)
+
+
+@pytest.mark.parametrize("ranks_per_node,host", [(2, 2 * 72), (1, 72)])
+def test_ledger_ranks_per_node_up_to_dp_multiply_the_machine(ranks_per_node: int, host: int) -> None:
+    led = ledger.ideal(12, 2, 1, tiers={"optimizer": "cpu"}, ranks_per_node=ranks_per_node)
+    assert led.as_dict()["machine"]["cpu"] == host
