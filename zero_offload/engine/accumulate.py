@@ -52,6 +52,10 @@ class Accumulator:
         self._partial.add(key)
         return None
 
+    def held(self) -> dict[str, int]:
+        """Bytes of each key's buffer in the store (the memory report names their padding)."""
+        return {k: n * torch.empty((), dtype=d).element_size() for k, (n, d) in self._buffers.items()}
+
     def reset(self) -> None:
         """Forget every partial sum (a checkpoint load starts a fresh cycle); allocated buffers
         stay for reuse, adopted ones go."""

@@ -6,10 +6,14 @@ below name every other allocation: padding, NVMe slot rounding (slots are whole 
 buffers, the gradient bucket in flight, the updated weights held at step() before they are
 installed (stages 0-2);
 then the process-level figures (torch.cuda.max_memory_allocated on a
-GPU, the process RSS via psutil). With P a multiple of D x 16 the padding is zero and retained
-equals ideal for weights and optimizer state (on the nvme tier, ideal plus the named slot rounding). Gradients differ by design: without clipping,
-fp16 or accumulation the overlapped step consumes each grad shard as it arrives (retained 0), and
-stage 1 keeps only its grad shard where the ledger counts every gradient.
+GPU, the process RSS via psutil). For weights and optimizer state, retained minus ideal is exactly
+the sum of the rows named for that group: padding (each bucket or unit is padded to a multiple of
+D x 16 elements, so every rank's shard has one size, where the ledger splits P evenly: the padding
+is zero only when every bucket's or unit's size is such a multiple), NVMe slot rounding (slots are
+whole pages), and at stage 3 the frozen parameters, which the ledger does not count. Gradients
+differ by design: without clipping, fp16 or accumulation the overlapped step consumes each grad
+shard as it arrives (retained 0), and stage 1 keeps only its grad shard where the ledger counts
+every gradient; the padding in what is held is named.
 """
 from __future__ import annotations
 
@@ -22,9 +26,19 @@ from zero_offload import comm, ledger
 
 if TYPE_CHECKING:
     from zero_offload.engine.engine import Engine
+    from zero_offload.partition import FlatLayout
 
 GROUPS = ("weights", "gradients", "optimizer")
 TIERS = ("device", "cpu", "nvme")
+
+
+def padding(held: dict[str, int], layouts: dict[str, "FlatLayout"]) -> float:
+    """Bytes of padding in held tensors (key -> bytes), each a shard or the whole flat buffer of
+    its key's layout: either way padded in the proportion padded_numel : numel. Against the
+    ledger's even split of P, a shard's padding is its share of the layout's (the last rank's
+    shard holding all of it changes no rank's size)."""
+    return sum(n * (layouts[k].padded_numel - layouts[k].numel) / layouts[k].padded_numel
+               for k, n in held.items() if k in layouts)
 
 
 def _mib(n: float) -> str:

@@ -21,6 +21,7 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
+from zero_offload.engine.memory import padding
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.step import hands_over_master
 from zero_offload.store import make_store
@@ -195,14 +196,17 @@ class BucketRuntime:
 
     def extras(self) -> dict[str, int]:
         """Bytes outside the ledger's groups, named (see memory.py)."""
-        owned = sum(n for pcs in self.shard_map().values() for (_, _, _, n) in pcs)
+        so = self.shard_optimizer
+        layouts = {b.key: b.layout for b in self.buckets}
         shard_elems = sum(b.layout.shard_numel for b in self.buckets)
         elem = torch.empty((), dtype=self.dtype).element_size()
         # Every updated shard waits at step() in a buffer of its own, unless the master is it.
-        copies = not hands_over_master(self.shard_optimizer.store.addressable, self.dtype)
-        out = {"padding (optimizer state)": (shard_elems - owned) * 12,
-               "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes(),
-               "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
+        copies = not hands_over_master(so.store.addressable, self.dtype)
+        held_grads = padding(so.held_grads(), layouts) + padding(self.accumulator.held(), layouts)
+        out = {"padding (optimizer state)": padding({b.key: 12 * b.layout.shard_numel for b in self.buckets}, layouts),
+               "padding (gradients held)": held_grads,
+               "NVMe slot rounding (optimizer state)": so.slot_rounding_bytes(),
+               "staging buffers": so.bytes_retained().get("staging", 0),
                "gradient bucket in flight (largest)": max(b.layout.padded_numel for b in self.buckets) * elem,
                UPDATED_ROW: shard_elems * elem if copies else 0}
         return out

@@ -403,6 +403,11 @@ class ShardOptimizer:
                 f"gradients/{self.grad_store.tier}": self.grad_store.bytes_retained(),
                 "staging": self.access.staging_bytes}
 
+    def held_grads(self) -> dict[str, int]:
+        """Bytes of each gradient shard the grads tier holds for a deferred step (compute dtype)."""
+        elem = torch.empty((), dtype=self.compute_dtype).element_size()
+        return {k: self.numel[k] * elem for k in self.grad_store.keys() if k in self.numel}
+
     def slot_rounding_bytes(self) -> int:
         """Bytes the optimizer tier holds beyond 12 per element: NVMe slots are whole pages."""
         return self.store.bytes_retained() - 12 * sum(self.numel.values())

@@ -36,6 +36,7 @@ from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
 from zero_offload.engine.accumulate import Accumulator
+from zero_offload.engine.memory import padding
 from zero_offload.engine.prefetch import Prefetcher
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
@@ -441,14 +442,31 @@ class Stage3Runtime:
         shards; gathered units are reported by extras()."""
         so, ps = self.shard_optimizer, self.params_store
         grads = [so.grad_store, self.accumulator.store]
-        return {("weights", self.config.tiers.params): (ps.bytes_retained(), ps.peak_bytes()),
+        frozen = self._frozen_shard_bytes()  # not in the ledger's weights: named in extras()
+        return {("weights", self.config.tiers.params): (ps.bytes_retained() - frozen, ps.peak_bytes() - frozen),
                 ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
                 ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
                                                          sum(s.peak_bytes() for s in grads))}
 
-    def extras(self) -> dict[str, int]:
+    def _frozen_shard_bytes(self) -> int:
+        return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups if not g.trainable)
+
+    def _padding(self) -> dict[str, float]:
+        """Each state group's padding (see memory.padding) and the params tier's slot rounding."""
+        so, trainable = self.shard_optimizer, [g for _, g in self._trainable()]
+        groups = [g for u in self.units for g in u.groups]
+        layouts, elem = {g.key: g.layout for g in groups}, {g.key: g.flat.element_size() for g in groups}
+        shards = sum(g.layout.shard_numel * elem[g.key] for g in groups)
+        rounding = self.params_store.bytes_retained() - shards if self.config.tiers.params == "nvme" else 0
+        return {"padding (weights)": padding({g.key: g.layout.shard_numel * elem[g.key] for g in trainable}, layouts),
+                "padding (gradients held)": padding(so.held_grads(), layouts) + padding(self.accumulator.held(), layouts),
+                "padding (optimizer state)": padding({g.key: 12 * g.layout.shard_numel for g in trainable}, layouts),
+                "NVMe slot rounding (params)": rounding}
+
+    def extras(self) -> dict[str, float]:
         s = self.stats()
-        return {"gathered units (peak, stage 3)": s["peak_gathered_bytes"],
+        return {**self._padding(), "frozen parameters (stage 3; not in the ledger)": self._frozen_shard_bytes(),
+                "gathered units (peak, stage 3)": s["peak_gathered_bytes"],
                 "live budget (stage 3)": s["live_budget_bytes"],
                 "resident units (stage 3)": s["resident_bytes"],
                 "staging buffers (params)": self.staging.nbytes,
