@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from test_checkpoint_checks import _engine, _same, _train, _weights
 from zero_offload.engine.checkpoint import CheckpointError
@@ -144,3 +145,75 @@ def test_a_checkpoint_without_a_manifest_checksum_still_loads(tmp_path: object) 
     engine.load_checkpoint(path)
     assert _same(_weights(engine), weights)
     engine.close()
+
+
+class _Tracked(torch.nn.Module):
+    """A model with a buffer each rank updates from its own micro-batch (as BatchNorm's running
+    statistics are), so the ranks' buffers differ and steer the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("stat", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.stat.mul_(0.5).add_(x.mean(0))
+        return (self.lin(x) + self.stat).pow(2).mean()
+
+
+def _rank_buffers_rank(rank: int, world: int, path: str) -> None:
+    import zero_offload
+
+    cfg = dict(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"})
+
+    def steps(engine: object, rng: range) -> None:
+        for i in rng:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * i + rank))
+            engine.backward(engine(x))
+            engine.step()
+
+    whole = zero_offload.initialize(_Tracked(), cfg)
+    steps(whole, range(2))
+    whole.save_checkpoint(path)
+    steps(whole, range(2, 4))
+    resumed = zero_offload.initialize(_Tracked(), cfg)
+    resumed.load_checkpoint(path)
+    steps(resumed, range(2, 4))
+    for (k, a), b in zip(whole.module.state_dict().items(), resumed.module.state_dict().values()):
+        assert torch.equal(a, b), f"rank {rank}: {k} differs after resume"
+    whole.close()
+    resumed.close()
+
+
+def test_resume_keeps_each_ranks_own_buffers(tmp_path: object) -> None:
+    """Every rank's buffers are saved (model.pt holds rank 0's): the resumed run is bit-identical
+    on every rank, not only on rank 0."""
+    from _dist import run_ranks
+
+    run_ranks(_rank_buffers_rank, 2, timeout=90, path=str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("saved, loaded", [(1, 3), (3, 1)])
+def test_a_stage_change_with_frozen_parameters_is_refused_by_name(tmp_path: object, saved: int, loaded: int) -> None:
+    """TinyLM's frozen gain lives in model.pt at stages 0-2 and in unit shards at stage 3; the
+    load said the frozen shapes differ (they do not)."""
+    import zero_offload
+    from _engine_model import make_model
+
+    def engine(stage: int) -> object:
+        extra = {"stage3": {"unit_modules": ["TinyBlock"]}, "tiers": {"params": "cpu", "optimizer": "cpu",
+                                                                        "grads": "cpu"}} if stage == 3 else {}
+        return zero_offload.initialize(make_model(), dict(stage=stage, **extra))
+
+    src = engine(saved)
+    _train(src, range(1))
+    src.save_checkpoint(str(tmp_path / "ck"))
+    src.close()
+    dst = engine(loaded)
+    with pytest.raises(CheckpointError, match=rf"saved at stage {saved}, which keeps frozen parameters .* not "
+                                              rf"supported: load it at stage"):
+        dst.load_checkpoint(str(tmp_path / "ck"))
+    assert dst.load_failed is None
+    dst.close()

@@ -11,6 +11,9 @@ Layout of a checkpoint directory:
                          frozen group inside a stage-3 unit, its compute-copy shard ("value"),
                          listed in rank{r}.json's frozen_map and resharded the same way
   rank{r}.rng.pt         that rank's RNG states (restored only when the world size is unchanged)
+  rank{r}.buffers.pt     with D > 1, that rank's module buffers: ranks update them from their own
+                         micro-batches (BatchNorm statistics), so they differ; restored over
+                         model.pt's (rank 0's) only when the world size is unchanged
   model.pt               buffers and frozen parameters that live in the module itself
   manifest.crc32         the manifest's own CRC32 (manifest_checks.py)
 All .pt files hold plain tensors only and are read with torch.load(weights_only=True); the
@@ -167,6 +170,14 @@ def _write_rank(engine: "Engine", tmp: str) -> None:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state(engine.device)
     _save_tensors(rng, os.path.join(tmp, f"rank{rank}.rng.pt"))
+    if comm.world_size() > 1:
+        _save_tensors(_buffers(engine), os.path.join(tmp, f"rank{rank}.buffers.pt"))
+
+
+def _buffers(engine: "Engine") -> dict[str, torch.Tensor]:
+    """The module's buffers by state_dict name (persistent ones, as model.pt holds them)."""
+    ids = {id(b) for b in engine.module.buffers()}
+    return {k: v for k, v in _non_trainable(engine).items() if id(v) in ids}
 
 
 def _check_target(path: str) -> None:
@@ -194,10 +205,11 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
             raw = f.read()
         maps[name] = zlib.crc32(raw)
         files.update(json.loads(raw)["files"])
-    for r in range(comm.world_size()):  # every rank wrote its RNG states
-        name = f"rank{r}.rng.pt"
-        rng = torch.load(os.path.join(tmp, name), map_location="cpu", weights_only=True)
-        files[name] = {k: _describe(v) for k, v in rng.items()}
+    for r in range(comm.world_size()):  # every rank wrote its RNG states (and with D > 1 its buffers)
+        for name in (f"rank{r}.rng.pt", f"rank{r}.buffers.pt"):
+            if os.path.exists(os.path.join(tmp, name)):
+                saved = torch.load(os.path.join(tmp, name), map_location="cpu", weights_only=True)
+                files[name] = {k: _describe(v) for k, v in saved.items()}
     sd = rt.shard_optimizer.state_dict_scalars()
     manifest = {"format": FORMAT, "world": comm.world_size(), "stage": engine.config.stage,
                 "precision": engine.config.precision.dtype, "writers": writers,
@@ -334,6 +346,7 @@ def _prepare(engine: "Engine", path: str) -> _Load:
         manifest_checks.check(manifest)
     except manifest_checks.ManifestError as exc:
         raise CheckpointError(f"checkpoint {root}: manifest.json: {exc}") from None
+    _check_frozen_home(engine, root, manifest["stage"])
     _check_shapes(root, "trainable parameters", rt.param_shapes(), manifest["param_shapes"])
     if "frozen_shapes" in manifest:  # older checkpoints: stage-3 frozen shards stay as initialized
         _check_shapes(root, "frozen parameters", rt.frozen_shapes(), manifest["frozen_shapes"])
@@ -350,8 +363,34 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     shards = _plan(maps, "shard_map", rt.shard_map())
     frozen = _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {}
     _check_files(root, manifest, {f for copies in (*shards.values(), *frozen.values()) for f, *_ in copies})
-    return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, reader.get("model.pt"), root),
+    module_held = dict(reader.get("model.pt"))
+    own = f"rank{comm.rank()}.buffers.pt"
+    if same_world and own in manifest["files"]:  # this rank's own buffers, as it left them
+        module_held.update(_own_buffers(reader.get(own), module_held, os.path.join(root, own)))
+    return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, module_held, root),
                  _rng(reader, manifest) if same_world else None, same_world)
+
+
+def _own_buffers(saved: dict[str, torch.Tensor], model_pt: dict[str, torch.Tensor], full: str) -> dict[str, torch.Tensor]:
+    """A rank's buffers file: names that model.pt holds too, each of the same shape and dtype."""
+    for k, v in saved.items():
+        ref = model_pt.get(k)
+        if ref is None or ref.shape != v.shape or ref.dtype != v.dtype:
+            raise CheckpointError(f"checkpoint file {full}: buffer {k!r} is not in model.pt as {v.dtype} {tuple(v.shape)}")
+    return dict(saved)
+
+
+def _check_frozen_home(engine: "Engine", root: str, saved_stage: int) -> None:
+    """Stages 0-2 keep frozen parameters in the module (model.pt), stage 3 shards them inside
+    their units (frozen_map): a checkpoint crosses between the two only without any."""
+    if (saved_stage == 3) == (engine.config.stage == 3):
+        return
+    frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise CheckpointError(f"checkpoint {root} was saved at stage {saved_stage}, which keeps frozen parameters "
+                              f"{'sharded in their units' if saved_stage == 3 else 'in model.pt'}; loading it at stage "
+                              f"{engine.config.stage} with frozen parameters ({frozen[:3]}) is not supported: load it "
+                              f"at stage {'3' if saved_stage == 3 else '0, 1 or 2'}")
 
 
 def _check_files(root: str, manifest: dict[str, Any], names: set[str]) -> None:
