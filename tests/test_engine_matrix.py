@@ -15,6 +15,7 @@ D=3: 1.0e-3 and 2.5e-2); measured worst cases are printed by the test on failure
 from __future__ import annotations
 
 import tempfile
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -43,13 +44,18 @@ def make_config(stage: int, tier: str, precision: str, nvme_dir: str, **extra: o
                 nvme_paths=[nvme_dir] if tier == "nvme" else [], **extra)
 
 
-def train(config: dict, steps: int, world: int, rank: int) -> tuple[list[float], dict[str, torch.Tensor], object]:
-    """Run the engine; return the global-mean losses, the consolidated weights and the engine."""
+def train(config: dict, steps: int, world: int, rank: int, *, groups: Callable[[torch.nn.Module], list] | None = None,
+          schedule: Callable[[torch.optim.Optimizer], Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor], object]:
+    """Run the engine (with `groups(model)` as its param_groups, and an LR scheduler
+    `schedule(engine.optimizer)` stepped after every step, if given); return the global-mean
+    losses, the consolidated weights and the engine."""
     import zero_offload
     from zero_offload import comm
     from _engine_model import batch, make_model
 
-    engine = zero_offload.initialize(make_model(), config)
+    model = make_model()
+    engine = zero_offload.initialize(model, config, param_groups=groups(model) if groups is not None else None)
+    scheduler = schedule(engine.optimizer) if schedule is not None else None
     losses = []
     for step in range(steps):
         x, y = batch(step, ROWS_PER_RANK * world)
@@ -57,6 +63,8 @@ def train(config: dict, steps: int, world: int, rank: int) -> tuple[list[float],
         loss = engine(x[rows], y[rows])
         engine.backward(loss)
         engine.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(float(comm.all_reduce_(loss.detach().float().reshape(1))[0]) / world)
     return losses, engine.consolidated_state_dict(), engine
 
