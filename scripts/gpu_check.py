@@ -3,8 +3,8 @@
 
 1. Stages 0-2 x optimizer tier (device, cpu, nvme) x fp32/bf16: 20 steps of the tests' TinyLM on
    the GPU against the single-process reference on the same GPU (same tolerances as the CPU tests),
-   one stage-2 row with gradient_accumulation_steps=2, and fp16 with one poisoned step that must be
-   skipped.
+   one stage-2 row with gradient_accumulation_steps=2, two rows with parameter groups (device and
+   cpu tiers), and fp16 with one poisoned step that must be skipped.
 2. Stage 3 on a tiny model defined here (tied embedding/head, a frozen parameter, a block called
    twice, a checkpointed block; one unit per block): every allowed params tier x optimizer tier
    pair of device/cpu/nvme in fp32 (losses and weights within 1e-5 relative), three bf16 rows (the
@@ -141,6 +141,25 @@ def stage012_row(tag: str, run: Run, stage: int, tier: str, precision: str, micr
     compare(tag, losses, weights, *tinylm_reference(run.steps, precision, run.device), TOL[precision])
 
 
+def param_groups_row(tag: str, run: Run, stage: int, tier: str) -> None:
+    """Two parameter groups (tests/test_param_groups.py's: other lr, betas and weight decay for
+    biases, norms and some matrices); 20 kB buckets hold both, so each kernel call covers a run
+    of one group (on the device tier: torch's fused AdamW on slices of a shard)."""
+    from test_param_groups import HYPER, _group, engine_groups
+
+    cfg = dict(stage=stage, bucket_bytes=20000, pinned_budget_bytes=100_000, tiers={"optimizer": tier, "grads": tier},
+               optimizer={"lr": LR, "weight_decay": WD}, nvme_paths=nvme_paths(run, tier))
+    model = make_model()
+    engine = zero_offload.initialize(model, cfg, param_groups=engine_groups(model))
+    try:
+        losses, _ = train(engine, lambda step: batch(step, ROWS), run, 1)
+        weights = engine.consolidated_state_dict()
+    finally:
+        engine.close()
+    ref = reference_run(run.steps, ROWS, torch.float32, lr=LR, wd=WD, device=run.device, groups=(_group, HYPER))
+    compare(tag, losses, weights, *ref, TOL["fp32"])
+
+
 def fp16_skip(run: Run) -> None:
     """An infinite loss at step 2 must skip exactly that update."""
     engine = zero_offload.initialize(make_model(), dict(stage=2, precision={"dtype": "fp16", "initial_scale_power": 8},
@@ -186,6 +205,9 @@ def stage012_rows(run: Run) -> list[tuple[str, Check]]:
                 rows.append((tag, functools.partial(stage012_row, tag, run, stage, tier, precision)))
     tag = f"{run.device} stage=2 tier=cpu fp32 gradient_accumulation_steps=2"
     rows.append((tag, functools.partial(stage012_row, tag, run, 2, "cpu", "fp32", 2)))
+    for tier in ("device", "cpu"):
+        tag = f"{run.device} stage=1 tier={tier} fp32 two parameter groups"
+        rows.append((tag, functools.partial(param_groups_row, tag, run, 1, tier)))
     rows.append((f"{run.device} fp16 overflow skips exactly one step", functools.partial(fp16_skip, run)))
     group = "nccl" if run.device == "cuda" else "gloo"
     rows.append((f"{run.device} fp16 overflow skips exactly one step, in a one-rank {group} group",
