@@ -217,3 +217,24 @@ def test_a_stage_change_with_frozen_parameters_is_refused_by_name(tmp_path: obje
         dst.load_checkpoint(str(tmp_path / "ck"))
     assert dst.load_failed is None
     dst.close()
+
+
+def _cwd_on_one_rank(rank: int, world: int, path: str) -> None:
+    import zero_offload
+
+    engine = zero_offload.initialize(_Tracked(), dict(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"}))
+    engine.save_checkpoint(path)
+    if rank == 1:
+        os.chdir(path)  # only rank 1 works inside the checkpoint
+    expected = "is or holds the current directory" if rank == 1 else "rank 1 will not save there"
+    with pytest.raises(CheckpointError, match=expected):
+        engine.save_checkpoint(path)
+    engine.close()
+
+
+def test_a_save_one_rank_refuses_is_refused_by_every_rank(tmp_path: object) -> None:
+    """The current-directory check ran before the ranks agreed: rank 1 raised alone and rank 0
+    waited in the agreement for ever (a review)."""
+    from _dist import run_ranks
+
+    run_ranks(_cwd_on_one_rank, 2, timeout=60, path=str(tmp_path / "ck"))

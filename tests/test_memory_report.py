@@ -18,7 +18,7 @@ from _dist import run_ranks
 
 NAMED = {"weights": ("padding (weights)", "NVMe slot rounding (params)"),
          "optimizer": ("padding (optimizer state)", "NVMe slot rounding (optimizer state)"),
-         "gradients": ("padding (gradients held)",)}
+         "gradients": ("padding (gradients held)", "NVMe slot rounding (gradients)")}
 
 
 def _check(report: dict, tag: str, grads_counted: bool) -> None:
@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, nvme: bool) -> None:
     with tempfile.TemporaryDirectory() as d:
         for stage in (0, 1, 2, 3):
             tier = "nvme" if nvme else "cpu"
-            tiers = {"optimizer": tier, "grads": "cpu", **({"params": tier} if stage == 3 else {})}
+            tiers = {"optimizer": tier, "grads": tier, **({"params": tier} if stage == 3 else {})}
             cfg = dict(stage=stage, tiers=tiers, bucket_bytes=6000, clip_grad_norm=1.0,  # grads held to the step
                        nvme_paths=[d] if nvme else [], **({"stage3": {"unit_modules": ["TinyBlock"]}} if stage == 3 else {}))
             engine = zero_offload.initialize(make_model(), cfg)

@@ -131,15 +131,11 @@ def _attempt(fn: Any, *args: Any) -> Exception | None:
 
 
 def _checked_path(path: Any) -> str:
-    """The absolute path to save to; a save replaces that directory as a whole, so one that is
-    (or holds) the current directory is refused: it would be renamed away from under the process."""
+    """The absolute path to save to (every rank is given the same argument, so every rank
+    refuses a non-path alike, before any collective)."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise CheckpointError(f"save_checkpoint: the path must be a non-empty str or os.PathLike, got {path!r}")
-    path = os.path.abspath(os.fspath(path))
-    if os.path.commonpath([path, os.getcwd()]) == path:
-        raise CheckpointError(f"cannot save a checkpoint to {path}: it is or holds the current directory; "
-                              "name a directory of its own")
-    return path
+    return os.path.abspath(os.fspath(path))
 
 
 def _make_tmp(tmp: str) -> None:
@@ -183,7 +179,12 @@ def _buffers(engine: "Engine") -> dict[str, torch.Tensor]:
 def _check_target(path: str) -> None:
     """Saving replaces `path` as a whole, and removes `<path>.tmp` (a crashed save's) and
     `<path>.old` (the previous checkpoint, moved aside): refuse when any of them holds anything
-    but a checkpoint or a save's leftovers."""
+    but a checkpoint or a save's leftovers, and a path that is or holds this rank's current
+    directory (it would be renamed away from under the process; agreed, as ranks' directories
+    may differ)."""
+    if os.path.commonpath([path, os.getcwd()]) == path:
+        raise CheckpointError(f"cannot save a checkpoint to {path}: it is or holds the current directory; "
+                              "name a directory of its own")
     for target in (path, path + ".tmp", path + ".old"):
         if os.path.isfile(target) or os.path.islink(target):
             raise CheckpointError(f"cannot save a checkpoint to {path}: {target} is a file or a link")

@@ -41,6 +41,12 @@ def padding(held: dict[str, int], layouts: dict[str, "FlatLayout"]) -> float:
                for k, n in held.items() if k in layouts)
 
 
+def grads_slot_rounding(stores_bytes: int, held_bytes: int, addressable: bool) -> int:
+    """Bytes the grads tier's stores hold beyond the gradients in them: NVMe slots are whole
+    pages (a resident tier holds exactly the tensors)."""
+    return 0 if addressable else stores_bytes - held_bytes
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:10.3f}"
 

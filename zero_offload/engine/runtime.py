@@ -21,7 +21,7 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
-from zero_offload.engine.memory import padding
+from zero_offload.engine.memory import grads_slot_rounding, padding
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.step import hands_over_master
 from zero_offload.store import make_store
@@ -202,9 +202,12 @@ class BucketRuntime:
         elem = torch.empty((), dtype=self.dtype).element_size()
         # Every updated shard waits at step() in a buffer of its own, unless the master is it.
         copies = not hands_over_master(so.store.addressable, self.dtype)
-        held_grads = padding(so.held_grads(), layouts) + padding(self.accumulator.held(), layouts)
+        held, acc = so.held_grads(), self.accumulator.held()
+        grad_bytes = so.grad_store.bytes_retained() + self.accumulator.store.bytes_retained()
         out = {"padding (optimizer state)": padding({b.key: 12 * b.layout.shard_numel for b in self.buckets}, layouts),
-               "padding (gradients held)": held_grads,
+               "padding (gradients held)": padding(held, layouts) + padding(acc, layouts),
+               "NVMe slot rounding (gradients)": grads_slot_rounding(grad_bytes, sum(held.values()) + sum(acc.values()),
+                                                                     so.grad_store.addressable),
                "NVMe slot rounding (optimizer state)": so.slot_rounding_bytes(),
                "staging buffers": so.bytes_retained().get("staging", 0),
                "gradient bucket in flight (largest)": max(b.layout.padded_numel for b in self.buckets) * elem,

@@ -301,6 +301,8 @@ class ShardOptimizer:
         shard `key` cross: the hyperparameters as the param_groups hold them now (a scheduler
         may have moved them)."""
         bounds = self.group_runs[key]
+        if len(bounds) == 1:  # the common case, on backward's thread in eager mode: no lists built
+            return [(0, self._scalars(bounds[0][1], step, grad_scale))]
         ends = [start for start, _ in bounds[1:]] + [self.numel[key]]
         return [(max(start, lo) - lo, self._scalars(g, step, grad_scale))
                 for (start, g), end in zip(bounds, ends) if max(start, lo) < min(end, hi)]

@@ -36,7 +36,7 @@ from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
 from zero_offload.engine.accumulate import Accumulator
-from zero_offload.engine.memory import padding
+from zero_offload.engine.memory import grads_slot_rounding, padding
 from zero_offload.engine.prefetch import Prefetcher
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
@@ -458,8 +458,12 @@ class Stage3Runtime:
         layouts, elem = {g.key: g.layout for g in groups}, {g.key: g.flat.element_size() for g in groups}
         shards = sum(g.layout.shard_numel * elem[g.key] for g in groups)
         rounding = self.params_store.bytes_retained() - shards if self.config.tiers.params == "nvme" else 0
+        held, acc = so.held_grads(), self.accumulator.held()
+        grad_bytes = so.grad_store.bytes_retained() + self.accumulator.store.bytes_retained()
         return {"padding (weights)": padding({g.key: g.layout.shard_numel * elem[g.key] for g in trainable}, layouts),
-                "padding (gradients held)": padding(so.held_grads(), layouts) + padding(self.accumulator.held(), layouts),
+                "padding (gradients held)": padding(held, layouts) + padding(acc, layouts),
+                "NVMe slot rounding (gradients)": grads_slot_rounding(
+                    grad_bytes, sum(held.values()) + sum(acc.values()), so.grad_store.addressable),
                 "padding (optimizer state)": padding({g.key: 12 * g.layout.shard_numel for g in trainable}, layouts),
                 "NVMe slot rounding (params)": rounding}
 

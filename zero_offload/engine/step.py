@@ -24,7 +24,7 @@ import torch
 
 from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, span
 from zero_offload.io.buffers import aligned_tensor
-from zero_offload.optim.flat import adam_step_flat
+from zero_offload.optim.flat import adam_step_flat, adam_step_runs
 from zero_offload.store.base import Handle, Store
 
 @dataclass
@@ -96,6 +96,18 @@ class HostAdam:
                        weight_decay=s.weight_decay, decoupled=s.decoupled, grad_scale=s.grad_scale,
                        lowp_out=lowp_out, threads=self.threads or None)
 
+    def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
+        """The shard's runs of parameter groups, one kernel call per distinct group."""
+        runs = [(lo, hi, _hyper(s)) for lo, hi, s in segments]
+        adam_step_runs(master, grad, m, v, runs, step=segments[0][2].step, lowp_out=lowp_out,
+                       threads=self.threads or None)
+
+
+def _hyper(s: Scalars) -> dict:
+    return dict(lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay,
+                decoupled=s.decoupled, grad_scale=s.grad_scale)
+
 
 class DeviceAdam:
     """torch's fused Adam/AdamW kernel on the tensors' own device."""
@@ -104,13 +116,24 @@ class DeviceAdam:
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  s: Scalars, lowp_out: torch.Tensor | None) -> None:
+        self.segments(master, grad, m, v, [(0, master.numel(), s)], lowp_out)
+
+    def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
+        """One fused launch per distinct group, over the slices of its runs (the fused kernels
+        take lists of tensors)."""
         g = grad.float()
-        if s.grad_scale != 1.0:
-            g = g * s.grad_scale
-        step = torch.tensor(float(s.step), device=master.device)
-        fused = torch._fused_adamw_ if s.decoupled else torch._fused_adam_
-        fused([master], [g], [m], [v], [], [step], lr=s.lr, beta1=s.beta1, beta2=s.beta2,
-              weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
+        by_group: dict[tuple, list[tuple[int, int]]] = {}
+        for lo, hi, s in segments:
+            by_group.setdefault(tuple(_hyper(s).items()), []).append((lo, hi))
+        step = torch.tensor(float(segments[0][2].step), device=master.device)  # read, not advanced, by the kernel
+        for key, spans in by_group.items():
+            h = dict(key)
+            gs = [g[lo:hi] * h["grad_scale"] if h["grad_scale"] != 1.0 else g[lo:hi] for lo, hi in spans]
+            fused = torch._fused_adamw_ if h["decoupled"] else torch._fused_adam_
+            fused([master[lo:hi] for lo, hi in spans], gs, [m[lo:hi] for lo, hi in spans],
+                  [v[lo:hi] for lo, hi in spans], [], [step] * len(spans), lr=h["lr"], beta1=h["beta1"],
+                  beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False)
         if lowp_out is not None:
             lowp_out.copy_(master)
 
@@ -335,13 +358,11 @@ class StepPipeline:
                     self._idle.notify_all()
 
     def _step(self, job: Job, tensors: tuple[torch.Tensor, ...], out: torch.Tensor | None) -> None:
-        """The kernel over the job, one call per run of one parameter group's scalars."""
-        if not job.runs:  # one group: no slicing (the worker's Python competes for the GIL)
+        """The kernel over the job: its runs of parameter groups, if it has several."""
+        if job.runs:
+            self.kernel.segments(*tensors, job.segments(), out)
+        else:
             self.kernel(*tensors, job.scalars, out)
-            return
-        for lo, hi, scalars in job.segments():
-            master, grad, m, v = (t[lo:hi] for t in tensors)
-            self.kernel(master, grad, m, v, scalars, None if out is None else out[lo:hi])
 
     def _run(self, job: Job) -> None:
         (master, m, v), staged = self.access.acquire(job.key, job.numel)

@@ -111,6 +111,43 @@ def adam_step_flat(
                              threads=threads)
 
 
+def adam_step_runs(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    runs: list[tuple[int, int, dict]],
+    *,
+    step: int,
+    lowp_out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> None:
+    """`adam_step_flat` over runs of one flat shard, each `(start, end, hyper)` with its own
+    hyperparameters (lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale: a parameter
+    group's), one step count for all. The whole tensors are checked once, and the runs that share
+    hyperparameters go to the kernel in one call: a block's weights, biases and norms alternate
+    between two groups, and a call per run (with its checks) cost as much as the arithmetic of a
+    small unit."""
+    _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
+    by_hyper: dict[tuple, list[tuple[int, int]]] = {}
+    for lo, hi, hyper in runs:
+        by_hyper.setdefault(tuple(sorted(hyper.items())), []).append((lo, hi))
+    for key, spans in by_hyper.items():
+        hyper = dict(key)
+        _native_adam.check_hyper("adam_step_runs", lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                                 eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=hyper["grad_scale"])
+        parts = [tuple(t[lo:hi] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, lowp_out))
+                 for lo, hi in spans]
+        if not _native_adam.available():
+            _native_adam.warn_fallback_once("adam_step_runs")
+            for p, g, m, v, out in parts:
+                _adam_step_flat_torch(p, g, m, v, step=step, lowp_out=out, check_finite=False, **hyper)
+            continue
+        items = [_native_adam.make_tensor(p, g, m, v, step, out) for p, g, m, v, out in parts]
+        _native_adam.step(items, _native_adam.make_hyper(**hyper), isa=_native_adam.resolve_isa(None),
+                          threads=_native_adam.resolve_threads(threads))
+
+
 def _adam_step_flat_torch(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
     step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
