@@ -2,6 +2,8 @@
 the scalar oracle (bit for bit) and torch's own bf16/fp16 conversions."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -351,3 +353,31 @@ def test_pool_threads_take_the_callers_denormal_mode() -> None:
         assert [flushed(1), flushed(2), flushed(2)] == [n, n, n]
     finally:
         torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_runs_equal_one_call_per_run_bit_for_bit(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """adam_step_runs (each parameter group's runs of a shard in one call) is adam_step_flat over
+    each run with that run's hyperparameters, on the native kernel and on the torch fallback."""
+    from zero_offload.optim.flat import adam_step_runs
+
+    if native and not _native_adam.available():
+        pytest.skip("native library not loaded")
+    if not native:
+        monkeypatch.setattr(_native_adam, "available", lambda: False)
+    g = torch.Generator().manual_seed(3)
+    n, edges = 5000, [0, 7, 1030, 1031, 2048, 4999, 5000]
+    hyper = [dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, grad_scale=0.5),
+             dict(lr=3e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, decoupled=True, grad_scale=0.5)]
+    runs = [(lo, hi, hyper[i % 2]) for i, (lo, hi) in enumerate(zip(edges, edges[1:]))]
+    state = [torch.randn(n, generator=g) for _ in range(2)] + [torch.rand(n, generator=g)]
+    grad, out = torch.randn(n, generator=g), torch.empty(n, dtype=torch.bfloat16)
+    a = [t.clone() for t in state]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback says once that it runs
+        adam_step_runs(a[0], grad, a[1], a[2], runs, step=3, lowp_out=out)
+        b, out_b = [t.clone() for t in state], torch.empty(n, dtype=torch.bfloat16)
+        for lo, hi, h in runs:
+            adam_step_flat(b[0][lo:hi], grad[lo:hi], b[1][lo:hi], b[2][lo:hi], step=3, lowp_out=out_b[lo:hi], **h)
+    for x, y in zip(a + [out], b + [out_b]):
+        assert torch.equal(x, y)
