@@ -17,7 +17,7 @@ from _dist import run_ranks
 
 from test_engine_matrix import LR, ROWS_PER_RANK  # its train() runs these rows per rank
 
-STEPS = 8
+STEPS = 6
 # Group 0: matrices and the embedding, decayed; group 1: biases and norms, not decayed, with their
 # own lr and betas (the usual recipe, made visible), and the attention output projections, so that
 # a bucket of larger buckets holds both groups.
@@ -99,7 +99,10 @@ def _nvme() -> list[str]:
 
 def test_groups_match_adamw_every_stage_and_tier() -> None:
     tiers = ["device", "cpu"] + _nvme()
-    combos = [(stage, tier, 100_000, 6000) for stage in (0, 1, 2, 3) for tier in tiers]
+    # Every stage and every tier, not every pair (the groups live in the shard optimizer, which
+    # stages and tiers share; CI time): the tier rotates with the stage, and stage 3 runs all.
+    combos = [(stage, tiers[stage % len(tiers)], 100_000, 6000) for stage in (0, 1, 2)]
+    combos += [(3, tier, 100_000, 6000) for tier in tiers]
     # 20 kB buckets hold both groups; at stage 3 every unit's shard does, and on nvme its
     # sub-shards (this staging budget splits each unit's shard in five) cross group boundaries.
     combos += [(1, tier, 100_000, 20000) for tier in tiers[1:]]
