@@ -185,3 +185,54 @@ def test_stage3_updates_reach_the_drive_without_bounce_copies(tmp_path: object, 
         assert store.drive_traffic()[1] > 0 and store.bounced_transfers == 0 and opt_store.bounced_transfers == 0
     finally:
         engine.close()
+
+
+class _LoraBlock(torch.nn.Module):
+    """A frozen base Linear and two trainable adapter matrices in one unit, as PEFT's LoRA."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.a, self.b = torch.nn.Parameter(torch.randn(d, 4) * 0.1), torch.nn.Parameter(torch.randn(4, d) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.base(x)) + x @ self.a @ self.b
+
+
+class _Lora(torch.nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(_LoraBlock(d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return x.pow(2).mean()
+
+
+def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient() -> None:
+    """A unit was let go once its trainable parameters (the adapters) had reported, while the
+    frozen base Linear still had to compute its input's gradient from the released weights:
+    backward failed on a 0-byte storage (a review)."""
+    ref = _Lora()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for x in xs:
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    block = sum(p.numel() * 4 for p in _LoraBlock(16).parameters())
+    engine = zero_offload.initialize(_Lora(), dict(
+        stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 1e-2},
+        stage3={"unit_modules": ["_LoraBlock"], "live_budget_bytes": 2 * block + 4096, "prefetch_depth": 0}))
+    for x in xs:
+        engine.backward(engine(x))
+        engine.step()
+    got = engine.consolidated_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
+    engine.close()

@@ -64,6 +64,14 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
+def _counts_inputs(u: Unit) -> bool:
+    """Whether a unit's uses are counted through the gradient of their inputs: a unit with
+    frozen parameters. Its trainable parameters' gradients (if any) can all be in while a frozen
+    weight is still needed for the gradient of the unit's inputs (LoRA: frozen base weights and
+    trainable adapters in one block), so only the inputs' gradient says the weights may go."""
+    return any(not g.trainable for g in u.groups)
+
+
 class Stage3Runtime:
     """Stage 3 behind the Engine's runtime interface; see the module docstring."""
 
@@ -175,14 +183,14 @@ class Stage3Runtime:
 
     # ---- hook target ----
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
-        return self.phase is not Phase.BACKWARD and any(u.trainable is None for u in units)
+        return self.phase is not Phase.BACKWARD and any(_counts_inputs(u) for u in units)
 
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], counted: bool) -> None:
         self._segment_end()
         if module is self.model and self.phase is not Phase.BACKWARD:
             self._begin_pass()
         for u in units:
-            if counted and u.trainable is None:
+            if counted and _counts_inputs(u):
                 self._exits[u.index] = self._exits.get(u.index, 0) + 1
             if self.phase is Phase.BACKWARD:  # checkpoint recomputation
                 if u.index in self._held:
@@ -214,13 +222,18 @@ class Stage3Runtime:
         self._segment_start()
 
     def inputs_grad(self, units: Sequence[Unit]) -> None:
+        """The gradient of a counted use's inputs: a unit with frozen parameters is done with its
+        weights once every use's has come (a frozen-only unit is then finished; a mixed one is
+        let go if its trainable parameters have reported)."""
         self._segment_end()
         for u in units:
             left = self._exits.get(u.index, 0)
-            if u.trainable is None and left > 0:
+            if _counts_inputs(u) and left > 0:
                 self._exits[u.index] = left - 1
-                if left == 1:
+                if left == 1 and u.trainable is None:
                     self._finish_unit(u)
+                elif left == 1 and u.index in self._done:
+                    self._let_go(u)
         self._segment_start()
 
     def param_grad(self, unit: Unit, param: torch.Tensor) -> None:
@@ -258,6 +271,11 @@ class Stage3Runtime:
             shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
         if shard is not None:
             self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
+        if self._exits.get(u.index, 0) == 0:  # else a frozen part still computes its inputs' gradient
+            self._let_go(u)
+
+    def _let_go(self, u: Unit) -> None:
+        """Backward needs the unit's weights no more."""
         if u.index in self._held:
             self._held.discard(u.index)
             self._unacquire(u)
@@ -297,6 +315,7 @@ class Stage3Runtime:
         for u in self.units:
             if u.index not in self._done and (u.trainable is not None or u.index in self._held):
                 self._finish_unit(u)
+            self._let_go(u)  # a mixed unit whose inputs' gradient never came (nothing upstream wanted it)
         leaked = [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
         if leaked:
             raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
