@@ -8,8 +8,9 @@ gathers the units again (idempotently: several outputs, a module called twice, a
 checkpointing's recomputation all reach it more than once).
 Backward, "done": a post-accumulate-grad hook on every trainable parameter fires once per backward
 (autograd sums every use of a parameter first), so a unit whose trainable parameters have all
-reported is done. A unit with no trainable parameter is done when the gradient of its inputs has
-been computed; an identity autograd Function wrapped around its inputs reports that.
+reported has its gradients. A unit with frozen parameters needs its weights until the gradient of
+its inputs has been computed (a frozen weight may still be needed for it after every trainable
+parameter reported); an identity autograd Function wrapped around its inputs reports that.
 
 Nothing is stored on the modules or parameters: the runtime keeps its own tables, and the handles
 returned here remove every hook.
