@@ -112,7 +112,7 @@ def _diverging_ranks(rank: int, world: int) -> None:
     model.swap = rank == 1  # control flow that differs between ranks
     x, y = batch(0, 2)
     try:
-        with pytest.raises(RuntimeError, match="stage 3: ranks want different units next"):
+        with pytest.raises(RuntimeError, match="stage 3: ranks gather different units next"):
             model(x, y)
     finally:
         rt.close()  # its threads stopped before the process exits (a prefetch may be in flight)
@@ -120,3 +120,48 @@ def _diverging_ranks(rank: int, world: int) -> None:
 
 def test_ranks_that_run_different_units_fail_fast_instead_of_hanging() -> None:
     run_ranks(_diverging_ranks, 2, timeout=60)
+
+
+class _Gated(torch.nn.Module):
+    """Two blocks; rank 1 also runs `gate` inside the first (a parameter that gets a gradient on
+    some ranks only: an expert no token reached, a loss term one rank skipped)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_GatedBlock() for _ in range(2))
+        self.use_gate = rank == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, self.use_gate)
+        return x.pow(2).mean()
+
+
+class _GatedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.gate = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        return self.fc(x) + (self.gate(x) if gated else 0)
+
+
+def _unused_on_one_rank(rank: int, world: int, resident: int) -> None:
+    import zero_offload
+
+    engine = zero_offload.initialize(_Gated(rank), dict(
+        stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
+        stage3={"unit_modules": ["_GatedBlock"], "resident_bytes": resident}))
+    with pytest.raises(RuntimeError, match="stage 3: ranks (reduce|gather) different units next.*a gradient on every rank"):
+        engine.backward(engine(torch.randn(4, 8)))
+    engine.close()
+
+
+@pytest.mark.parametrize("resident", [0, 1 << 20], ids=["gathered", "resident"])
+def test_a_parameter_used_on_some_ranks_only_fails_fast(resident: int) -> None:
+    """Ranks reduced the units in their own backward's order: rank 0 reduced the gated block
+    after backward, rank 1 during it. The collectives paired up wrongly: gloo aborted the
+    process, or (every unit resident, so no gathers in backward) the weights came out wrong
+    without a word (a review)."""
+    run_ranks(_unused_on_one_rank, 2, timeout=60, resident=resident)

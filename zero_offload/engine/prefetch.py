@@ -29,18 +29,25 @@ from zero_offload import comm
 from zero_offload.engine.unit import Unit, UnitState
 
 
-def _check_same_unit(unit: Unit) -> None:
-    """Every rank must gather the same unit now; a tiny all-reduce checks it before the all-gather,
-    so ranks whose control flow diverged fail at once with a message instead of hanging in mismatched
-    collectives (all of them are in this same all-reduce, whatever unit each one wanted)."""
+_REDUCE_HINT = (", and a parameter must get a gradient on every rank or on none (multiply an unused one by 0 "
+                "into the loss)")
+
+
+def check_same_unit(unit: Unit, purpose: str = "gather") -> None:
+    """Every rank must gather (or reduce) the same unit now; a tiny all-reduce checks it before the
+    collective, so ranks whose control flow diverged fail at once with a message instead of hanging
+    in mismatched collectives, or pairing them (all of them are in this same all-reduce, whatever
+    unit each one wanted; a gather's check and a reduction's are told apart, so they cannot pair)."""
     if comm.world_size() == 1:
         return
-    ids = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=unit.device)
+    code = 2 * unit.index + (purpose == "reduce")
+    ids = torch.tensor([code, -code], dtype=torch.int64, device=unit.device)
     comm.all_reduce_(ids, "max")
     low, high = -int(ids[1]), int(ids[0])
-    if low != high:
-        raise RuntimeError(f"stage 3: ranks want different units next (rank {comm.rank()} wants '{unit.name}', "
-                           f"indices range {low}..{high}); every rank must run the same modules in the same order")
+    if low != high:  # an odd code: a rank is reducing (its unit's gradients came at another time)
+        raise RuntimeError(f"stage 3: ranks {purpose} different units next (rank {comm.rank()}: {purpose} "
+                           f"'{unit.name}'); every rank must run the same modules in the same order"
+                           f"{_REDUCE_HINT if low % 2 or high % 2 else ''}")
 
 
 class LiveBudget:
@@ -122,7 +129,7 @@ class Prefetcher:
 
     def use(self, unit: Unit) -> None:
         """`unit` is needed now: make it GATHERED, then start prefetching what comes next."""
-        _check_same_unit(unit)
+        check_same_unit(unit)
         following = self.schedule.note_use(unit.index)
         if not following:
             self._drop_prefetched(keep=unit)

@@ -37,7 +37,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
 from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.memory import grads_slot_rounding, padding
-from zero_offload.engine.prefetch import Prefetcher
+from zero_offload.engine.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
 from zero_offload.engine.unit_policy import Plan, plan_units
@@ -266,6 +266,8 @@ class Stage3Runtime:
         if u.index in self._done:
             return
         self._done.add(u.index)
+        if u.trainable is not None:  # its reduce-scatter: ranks reduce units in their own backward's order
+            check_same_unit(u, "reduce")
         shard = u.reduce_grads(self.scale, aligned=not self.accumulator.store.addressable)  # a drive wants it aligned
         if shard is not None:  # off the boundary it only goes into the accumulation buffer
             shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
