@@ -457,3 +457,19 @@ def test_a_unit_returning_a_dataclass_is_gathered_for_its_backward() -> None:
     engine.backward(engine(torch.randn(3, 4)).hidden.pow(2).mean())
     assert engine.step()
     engine.close()
+
+
+def test_init_function_runs_after_each_modules_own_initialization() -> None:
+    """As eager construction then model.apply(init_fn): an init that sets only Linear and
+    Embedding weights (nanoGPT's _init_weights) leaves LayerNorm at weight 1, bias 0; the engine
+    used init_fn instead of reset_parameters, so every LayerNorm weight started at 0 (a review)."""
+    def init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+    model = _meta_model()
+    rt = Stage3Runtime(model, config(), CPU, init_fn=init)
+    sd = rt.consolidated_state_dict()
+    norms = [k for k in sd if ".ln." in k or k.startswith("ln")]
+    assert norms and all(torch.all(sd[k] == (1.0 if k.endswith("weight") else 0.0)) for k in norms), norms
+    assert 0.01 < float(sd["blocks.1.fc.weight"].std()) < 0.03  # the init's own values win
+    rt.close()

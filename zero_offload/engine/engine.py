@@ -299,7 +299,8 @@ def initialize(model: torch.nn.Module, config: Config | dict | str | None = None
     of parameters their own hyperparameters; every trainable parameter must be in one.
 
     At stage 3 a model built on the meta device is materialized unit by unit, from `init_fn`
-    (called per module to initialize its parameters) or from `weights` (a .safetensors file or a
+    (called per module after the module's own reset_parameters, as `model.apply(init_fn)` after
+    eager construction would) or from `weights` (a .safetensors file or a
     torch state-dict file, memory-mapped), so a model larger than host RAM is never whole in memory.
     """
     if not isinstance(model, torch.nn.Module):

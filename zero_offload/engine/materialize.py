@@ -118,7 +118,7 @@ class WeightFiller:
                  shapes: Mapping[int, torch.Size] | None = None) -> None:
         """`shapes` (id(parameter) -> shape) lets a module be initialized while a parameter it
         borrows lives in a unit not filled yet (that parameter is then an empty placeholder)."""
-        self.meta, self.init_fn, self.weights, self.source = meta, init_fn or default_init, weights, source
+        self.meta, self.init_fn, self.weights, self.source = meta, init_fn, weights, source
         self.shapes = dict(shapes or {})
         self.first_owner: dict[int, nn.Module] = {}
         self.modules: list[nn.Module] = []
@@ -163,7 +163,7 @@ class WeightFiller:
                     self._init_keeping(module, borrowed, params)
 
     def _init_keeping(self, module: nn.Module, borrowed: list[nn.Parameter], filled: set[int]) -> None:
-        """init_fn(module), with the parameters it borrows from their first owner left as they
+        """The module's reset_parameters, then init_fn(module), with the parameters it borrows from their first owner left as they
         are: a filled one keeps its values, a placeholder gets a scratch tensor of its shape
         for the call (an init reads shapes: fan-in) and is put back after."""
         kept = [(p, p.data.clone() if id(p) in filled else p.data) for p in borrowed]
@@ -171,7 +171,11 @@ class WeightFiller:
             if id(p) not in filled:
                 p.data = torch.empty(self.shapes[id(p)], dtype=torch.float32)
         try:
-            self.init_fn(module)
+            # As eager construction then model.apply(init_fn): the module's own initialization
+            # first, so what init_fn leaves alone (a LayerNorm's weight) is not left at zero.
+            default_init(module)
+            if self.init_fn is not None:
+                self.init_fn(module)
         finally:
             for p, old in kept:
                 if id(p) in filled:
