@@ -201,23 +201,26 @@ class _LoraBlock(torch.nn.Module):
 
 
 class _Lora(torch.nn.Module):
-    def __init__(self, d: int = 16) -> None:
+    def __init__(self, d: int = 16, keyword: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(d, d)
         self.blocks = torch.nn.ModuleList(_LoraBlock(d) for _ in range(3))
+        self.keyword = keyword
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x=x) if self.keyword else blk(x)  # Hugging Face layers take hidden_states=
         return x.pow(2).mean()
 
 
-def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient() -> None:
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(keyword: bool) -> None:
     """A unit was let go once its trainable parameters (the adapters) had reported, while the
     frozen base Linear still had to compute its input's gradient from the released weights:
-    backward failed on a 0-byte storage (a review)."""
+    backward failed on a 0-byte storage; and a unit's input passed by keyword was not watched at
+    all (a review)."""
     ref = _Lora()
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
@@ -226,7 +229,7 @@ def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient() -> N
         opt.step()
         opt.zero_grad()
     block = sum(p.numel() * 4 for p in _LoraBlock(16).parameters())
-    engine = zero_offload.initialize(_Lora(), dict(
+    engine = zero_offload.initialize(_Lora(keyword=keyword), dict(
         stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 1e-2},
         stage3={"unit_modules": ["_LoraBlock"], "live_budget_bytes": 2 * block + 4096, "prefetch_depth": 0}))
     for x in xs:

@@ -65,34 +65,38 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _wrap_args(args: tuple, done: Callable[[], None]) -> tuple[tuple, bool]:
-    """Route the top-level grad-requiring tensor arguments through _InputsGrad (False: none)."""
-    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not slots:
-        return args, False
-    outs = _InputsGrad.apply(done, *(args[i] for i in slots))
-    new = list(args)
-    for i, t in zip(slots, outs):
+def _wrap_args(args: tuple, kwargs: dict, done: Callable[[], None]) -> tuple[tuple, dict, bool]:
+    """Route the top-level grad-requiring tensor arguments, positional or keyword (Hugging Face
+    layers take `hidden_states=`), through one _InputsGrad (False: none)."""
+    pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    kw = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not pos and not kw:
+        return args, kwargs, False
+    outs = _InputsGrad.apply(done, *(args[i] for i in pos), *(kwargs[k] for k in kw))
+    new, new_kw = list(args), dict(kwargs)
+    for i, t in zip(pos, outs):
         new[i] = t
-    return tuple(new), True
+    for k, t in zip(kw, outs[len(pos):]):
+        new_kw[k] = t
+    return tuple(new), new_kw, True
 
 
 def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookTarget) -> list[RemovableHandle]:
     """Forward pre/post hooks and output-gradient hooks on every module that uses units."""
     handles: list[RemovableHandle] = []
     for module, units in users.items():
-        handles.append(module.register_forward_pre_hook(_pre_hook(units, target)))
+        handles.append(module.register_forward_pre_hook(_pre_hook(units, target), with_kwargs=True))
         handles.append(module.register_forward_hook(_post_hook(units, target)))
     return handles
 
 
-def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple], tuple | None]:
-    def hook(module: nn.Module, args: tuple) -> tuple | None:
+def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, dict], tuple | None]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         counted = False
         if torch.is_grad_enabled() and target.wants_inputs_grad(units):
-            args, counted = _wrap_args(args, lambda: target.inputs_grad(units))
+            args, kwargs, counted = _wrap_args(args, kwargs, lambda: target.inputs_grad(units))
         target.forward_enter(module, units, counted)
-        return args if counted else None
+        return (args, kwargs) if counted else None
     return hook
 
 
