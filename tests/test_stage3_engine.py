@@ -196,32 +196,47 @@ class _LoraBlock(torch.nn.Module):
         self.base.requires_grad_(False)
         self.a, self.b = torch.nn.Parameter(torch.randn(d, 4) * 0.1), torch.nn.Parameter(torch.randn(4, d) * 0.1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple, inplace: bool = False) -> torch.Tensor:
+        x = x[0] if isinstance(x, tuple) else x
+        if inplace:
+            x.mul_(1.0)  # legal on a non-leaf input in plain torch
         return x + torch.tanh(self.base(x)) + x @ self.a @ self.b
 
 
 class _Lora(torch.nn.Module):
-    def __init__(self, d: int = 16, keyword: bool = False) -> None:
+    """Blocks called as `style` says; the root unit (inp, ln_f, out) has ln_f frozen, and inp
+    too with frozen_root (the root then holds frozen weights its backward needs after the
+    blocks' inputs' gradients)."""
+
+    def __init__(self, d: int = 16, style: str = "positional", frozen_root: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = torch.nn.Linear(d, d)
+        self.inp, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.ln_f = torch.nn.LayerNorm(d)
         self.blocks = torch.nn.ModuleList(_LoraBlock(d) for _ in range(3))
-        self.keyword = keyword
+        self.ln_f.requires_grad_(False)
+        self.inp.requires_grad_(not frozen_root)
+        self.style = style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
+        if not x.requires_grad:
+            x.requires_grad_()  # as Hugging Face's enable_input_require_grads
         for blk in self.blocks:
-            x = blk(x=x) if self.keyword else blk(x)  # Hugging Face layers take hidden_states=
-        return x.pow(2).mean()
+            x = {"positional": lambda: blk(x), "keyword": lambda: blk(x=x), "nested": lambda: blk((x, None)),
+                 "inplace": lambda: blk(x * 1.0, inplace=True)}[self.style]()
+        return self.out(self.ln_f(x)).pow(2).mean()
 
 
-@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
-def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(keyword: bool) -> None:
+@pytest.mark.parametrize("style, frozen_root", [("positional", False), ("keyword", False), ("nested", False),
+                                                ("inplace", False), ("positional", True)])
+def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(style: str, frozen_root: bool) -> None:
     """A unit was let go once its trainable parameters (the adapters) had reported, while the
     frozen base Linear still had to compute its input's gradient from the released weights:
-    backward failed on a 0-byte storage; and a unit's input passed by keyword was not watched at
-    all (a review)."""
-    ref = _Lora()
+    backward failed on a 0-byte storage. Inputs passed by keyword or nested were not watched,
+    an input modified in place broke the identity Function that watched it, and a root unit
+    with frozen weights (ln_f) was let go before the blocks' backward had used them (reviews)."""
+    ref = _Lora(style=style, frozen_root=frozen_root)
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     for x in xs:
@@ -229,7 +244,7 @@ def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(keywor
         opt.step()
         opt.zero_grad()
     block = sum(p.numel() * 4 for p in _LoraBlock(16).parameters())
-    engine = zero_offload.initialize(_Lora(keyword=keyword), dict(
+    engine = zero_offload.initialize(_Lora(style=style, frozen_root=frozen_root), dict(
         stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 1e-2},
         stage3={"unit_modules": ["_LoraBlock"], "live_budget_bytes": 2 * block + 4096, "prefetch_depth": 0}))
     for x in xs:

@@ -473,3 +473,22 @@ def test_init_function_runs_after_each_modules_own_initialization() -> None:
     assert norms and all(torch.all(sd[k] == (1.0 if k.endswith("weight") else 0.0)) for k in norms), norms
     assert 0.01 < float(sd["blocks.1.fc.weight"].std()) < 0.03  # the init's own values win
     rt.close()
+
+
+def test_meta_multihead_attention_gets_its_own_initialization() -> None:
+    """nn.MultiheadAttention initializes in_proj_weight in _reset_parameters, not
+    reset_parameters: built on the meta device it stayed at zero (a review)."""
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x)[0]
+
+    with torch.device("meta"):
+        model = Attn()
+    rt = Stage3Runtime(model, config(unit_modules=["MultiheadAttention"]), CPU)
+    sd = rt.consolidated_state_dict()
+    assert float(sd["attn.in_proj_weight"].abs().sum()) > 0
+    rt.close()

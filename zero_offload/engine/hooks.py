@@ -10,7 +10,7 @@ Backward, "done": a post-accumulate-grad hook on every trainable parameter fires
 (autograd sums every use of a parameter first), so a unit whose trainable parameters have all
 reported has its gradients. A unit with frozen parameters needs its weights until the gradient of
 its inputs has been computed (a frozen weight may still be needed for it after every trainable
-parameter reported); an identity autograd Function wrapped around its inputs reports that.
+parameter reported); a multi-grad hook on its inputs reports that.
 
 Nothing is stored on the modules or parameters: the runtime keeps its own tables, and the handles
 returned here remove every hook.
@@ -36,20 +36,6 @@ class HookTarget(Protocol):
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool: ...
 
 
-class _InputsGrad(torch.autograd.Function):
-    """Identity on tensors; its backward (the gradient of the module's inputs) calls `done`."""
-
-    @staticmethod
-    def forward(ctx: Any, done: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.done = done
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.done()
-        return (None, *grads)
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside nested tuples, lists, dicts and dataclasses (a module's output or
     arguments). A unit whose output tensors are not found here is not gathered again for its
@@ -65,20 +51,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _wrap_args(args: tuple, kwargs: dict, done: Callable[[], None]) -> tuple[tuple, dict, bool]:
-    """Route the top-level grad-requiring tensor arguments, positional or keyword (Hugging Face
-    layers take `hidden_states=`), through one _InputsGrad (False: none)."""
-    pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    kw = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not pos and not kw:
-        return args, kwargs, False
-    outs = _InputsGrad.apply(done, *(args[i] for i in pos), *(kwargs[k] for k in kw))
-    new, new_kw = list(args), dict(kwargs)
-    for i, t in zip(pos, outs):
-        new[i] = t
-    for k, t in zip(kw, outs[len(pos):]):
-        new_kw[k] = t
-    return tuple(new), new_kw, True
+def _watch_inputs(args: tuple, kwargs: dict, done: Callable[[], None]) -> bool:
+    """Call `done` once the gradients of every grad-requiring tensor among the arguments
+    (positional or keyword, nested too: Hugging Face layers take `hidden_states=`) have been
+    computed; False when there is none. A hook on the tensors themselves, not an identity
+    Function around them: the module may modify its input in place, which autograd refuses on
+    a custom Function's output view."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in _tensors((args, kwargs)):
+        if t.requires_grad:
+            seen.setdefault(id(t), t)
+    if not seen:
+        return False
+    torch.autograd.graph.register_multi_grad_hook(list(seen.values()), lambda grads: done(), mode="all")
+    return True
 
 
 def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookTarget) -> list[RemovableHandle]:
@@ -90,25 +76,33 @@ def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookT
     return handles
 
 
-def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, dict], tuple | None]:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, dict], None]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         counted = False
         if torch.is_grad_enabled() and target.wants_inputs_grad(units):
-            args, kwargs, counted = _wrap_args(args, kwargs, lambda: target.inputs_grad(units))
+            counted = _watch_inputs(args, kwargs, lambda: target.inputs_grad(units))
         target.forward_enter(module, units, counted)
-        return (args, kwargs) if counted else None
     return hook
 
 
 def _post_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, Any], None]:
-    def on_output_grad(grad: torch.Tensor) -> None:
+    def on_output_grad(*_: Any) -> None:
         target.backward_enter(units)
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         if torch.is_grad_enabled():
+            nodes: set[int] = set()
             for t in _tensors(output):
-                if t.requires_grad:
+                if not t.requires_grad:
+                    continue
+                if t.grad_fn is None:
                     t.register_hook(on_output_grad)
+                elif id(t.grad_fn) not in nodes:
+                    # A pre-hook of the node, not a hook of the tensor: the tensor may also be the
+                    # next module's input, whose gradient hook lets that module's units go, and a
+                    # node's pre-hooks run after its tensors' hooks, so units are let go first.
+                    nodes.add(id(t.grad_fn))
+                    t.grad_fn.register_prehook(on_output_grad)
         target.forward_exit(module, units)
     return hook
 

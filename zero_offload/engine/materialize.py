@@ -33,7 +33,9 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 
 
 def default_init(module: nn.Module) -> None:
-    reset = getattr(module, "reset_parameters", None)
+    """The module's own initialization: reset_parameters, or the private _reset_parameters some
+    torch modules use instead (nn.MultiheadAttention's in_proj_weight)."""
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
     if callable(reset):
         reset()
 

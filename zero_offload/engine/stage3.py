@@ -94,6 +94,10 @@ class Stage3Runtime:
             shapes = {(id(new[k]) if k in new else k): s for k, s in shapes.items()}
         self._make_units(plan, elem, shapes)
         self._check_budget(plan)
+        # Units gathered around other units (the root): a frozen part of theirs (ln_f under the
+        # blocks) may be needed by backward after their own inputs' gradient, so they are held
+        # to the end of backward (every chain counts them in the budget already).
+        self._enclosing = {i for m, chain in plan.chains.items() for i in chain if i not in plan.users.get(m, ())}
         opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
         # Updates stream to the params tier as each shard is stepped (under backward), so the
         # updated shards are never all held at once and the step does not wait for their writes.
@@ -232,7 +236,7 @@ class Stage3Runtime:
                 self._exits[u.index] = left - 1
                 if left == 1 and u.trainable is None:
                     self._finish_unit(u)
-                elif left == 1 and u.index in self._done:
+                elif left == 1 and u.index in self._done and u.index not in self._enclosing:
                     self._let_go(u)
         self._segment_start()
 
@@ -273,8 +277,8 @@ class Stage3Runtime:
             shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
         if shard is not None:
             self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
-        if self._exits.get(u.index, 0) == 0:  # else a frozen part still computes its inputs' gradient
-            self._let_go(u)
+        if self._exits.get(u.index, 0) == 0 and not (_counts_inputs(u) and u.index in self._enclosing):
+            self._let_go(u)  # else a frozen part may still be needed (see inputs_grad, _enclosing)
 
     def _let_go(self, u: Unit) -> None:
         """Backward needs the unit's weights no more."""
