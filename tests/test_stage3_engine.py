@@ -254,3 +254,48 @@ def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(style:
     for k, v in ref.state_dict().items():
         assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
     engine.close()
+
+
+class _BiasedLora(_LoraBlock):
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) + shift
+
+
+class _SharedShift(torch.nn.Module):
+    """Every block takes the root's parameter `shift` as an input: a leaf tensor, so a hook on it
+    outlives the step unless removed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shift = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.zeros(16))
+        self.blocks = torch.nn.ModuleList(_BiasedLora(16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x, self.shift)
+        return x.pow(2).mean()
+
+
+def test_a_parameter_passed_into_units_is_watched_for_one_pass_only() -> None:
+    """The hook that watches a unit's inputs stayed on a leaf input (a parameter passed in) and
+    fired again in every later backward, letting units go early (a review of the fix above)."""
+    ref = _SharedShift()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    for x in xs:
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    block = sum(p.numel() * 4 for p in _LoraBlock(16).parameters())
+    engine = zero_offload.initialize(_SharedShift(), dict(
+        stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 1e-2},
+        stage3={"unit_modules": ["_BiasedLora"], "live_budget_bytes": 2 * block + 4096, "prefetch_depth": 0}))
+    for x in xs:
+        engine.backward(engine(x))
+        engine.step()
+    got = engine.consolidated_state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
+    engine.close()

@@ -2,8 +2,10 @@
 
 Forward: a pre-hook on each module that uses units (a unit's root module, or a module that reads a
 tied parameter owned by another unit) acquires them; a post-hook releases them.
-Backward, "needed": the post-hook registers a gradient hook on every output tensor; it fires when
-the gradient of that output is computed, i.e. before the module's backward runs, and the runtime
+Backward, "needed": the post-hook registers a pre-hook on the autograd node of every output
+tensor (a hook on the tensor for a leaf); it fires when the gradient of that output is computed,
+i.e. before the module's backward runs, after the tensor hooks that let the next module's units
+go (the output is often that module's input), and the runtime
 gathers the units again (idempotently: several outputs, a module called twice, activation
 checkpointing's recomputation all reach it more than once).
 Backward, "done": a post-accumulate-grad hook on every trainable parameter fires once per backward
@@ -28,7 +30,7 @@ from zero_offload.engine.unit import Unit
 
 
 class HookTarget(Protocol):
-    def forward_enter(self, module: nn.Module, units: Sequence[Unit], counted: bool) -> None: ...
+    def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: RemovableHandle | None) -> None: ...
     def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None: ...
     def backward_enter(self, units: Sequence[Unit]) -> None: ...
     def inputs_grad(self, units: Sequence[Unit]) -> None: ...
@@ -51,20 +53,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _watch_inputs(args: tuple, kwargs: dict, done: Callable[[], None]) -> bool:
+def _watch_inputs(args: tuple, kwargs: dict, done: Callable[[], None]) -> RemovableHandle | None:
     """Call `done` once the gradients of every grad-requiring tensor among the arguments
     (positional or keyword, nested too: Hugging Face layers take `hidden_states=`) have been
-    computed; False when there is none. A hook on the tensors themselves, not an identity
-    Function around them: the module may modify its input in place, which autograd refuses on
-    a custom Function's output view."""
+    computed; its handle (None when there is none), which the runtime removes at the next pass: a
+    leaf input (a parameter passed in) would keep the hook, and call `done` again in every later
+    backward. A hook on the tensors themselves, not an identity Function around them: the module
+    may modify its input in place, which autograd refuses on a custom Function's output view."""
     seen: dict[int, torch.Tensor] = {}
     for t in _tensors((args, kwargs)):
         if t.requires_grad:
             seen.setdefault(id(t), t)
     if not seen:
-        return False
-    torch.autograd.graph.register_multi_grad_hook(list(seen.values()), lambda grads: done(), mode="all")
-    return True
+        return None
+    return torch.autograd.graph.register_multi_grad_hook(list(seen.values()), lambda grads: done(), mode="all")
 
 
 def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookTarget) -> list[RemovableHandle]:
@@ -78,10 +80,10 @@ def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookT
 
 def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, dict], None]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        counted = False
+        watch = None
         if torch.is_grad_enabled() and target.wants_inputs_grad(units):
-            counted = _watch_inputs(args, kwargs, lambda: target.inputs_grad(units))
-        target.forward_enter(module, units, counted)
+            watch = _watch_inputs(args, kwargs, lambda: target.inputs_grad(units))
+        target.forward_enter(module, units, watch)
     return hook
 
 

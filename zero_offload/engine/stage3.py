@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
@@ -124,6 +125,7 @@ class Stage3Runtime:
         self.boundary = True
         self._fresh: dict[str, torch.Tensor] = {}
         self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
+        self._watches: list[RemovableHandle] = []
         self._reset_pass()
 
     # ---- construction ----
@@ -189,12 +191,14 @@ class Stage3Runtime:
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
         return self.phase is not Phase.BACKWARD and any(_counts_inputs(u) for u in units)
 
-    def forward_enter(self, module: nn.Module, units: Sequence[Unit], counted: bool) -> None:
+    def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: RemovableHandle | None) -> None:
         self._segment_end()
         if module is self.model and self.phase is not Phase.BACKWARD:
             self._begin_pass()
+        if watch is not None:
+            self._watches.append(watch)
         for u in units:
-            if counted and _counts_inputs(u):
+            if watch is not None and _counts_inputs(u):
                 self._exits[u.index] = self._exits.get(u.index, 0) + 1
             if self.phase is Phase.BACKWARD:  # checkpoint recomputation
                 if u.index in self._held:
@@ -288,6 +292,9 @@ class Stage3Runtime:
 
     # ---- passes ----
     def _reset_pass(self) -> None:
+        for watch in self._watches:  # the last pass's input hooks (see hooks._watch_inputs)
+            watch.remove()
+        self._watches = []
         self._refs: dict[int, int] = {}
         self._held: set[int] = set()
         self._done: set[int] = set()
