@@ -12,7 +12,7 @@ Backward, "done": a post-accumulate-grad hook on every trainable parameter fires
 (autograd sums every use of a parameter first), so a unit whose trainable parameters have all
 reported has its gradients. A unit with frozen parameters needs its weights until the gradient of
 its inputs has been computed (a frozen weight may still be needed for it after every trainable
-parameter reported); a multi-grad hook on its inputs reports that.
+parameter reported); an InputWatch on this call's inputs reports that.
 
 Nothing is stored on the modules or parameters: the runtime keeps its own tables, and the handles
 returned here remove every hook.
@@ -30,7 +30,7 @@ from zero_offload.engine.unit import Unit
 
 
 class HookTarget(Protocol):
-    def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: RemovableHandle | None) -> None: ...
+    def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: "InputWatch | None") -> None: ...
     def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None: ...
     def backward_enter(self, units: Sequence[Unit]) -> None: ...
     def inputs_grad(self, units: Sequence[Unit]) -> None: ...
@@ -53,45 +53,91 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _watch_inputs(args: tuple, kwargs: dict, done: Callable[[], None]) -> RemovableHandle | None:
-    """Call `done` once the gradients of every grad-requiring tensor among the arguments
-    (positional or keyword, nested too: Hugging Face layers take `hidden_states=`) have been
-    computed; its handle (None when there is none), which the runtime removes at the next pass: a
-    leaf input (a parameter passed in) would keep the hook, and call `done` again in every later
-    backward. A hook on the tensors themselves, not an identity Function around them: the module
-    may modify its input in place, which autograd refuses on a custom Function's output view."""
-    seen: dict[int, torch.Tensor] = {}
-    for t in _tensors((args, kwargs)):
-        if t.requires_grad:
-            seen.setdefault(id(t), t)
-    if not seen:
-        return None
-    return torch.autograd.graph.register_multi_grad_hook(list(seen.values()), lambda grads: done(), mode="all")
+class InputWatch:
+    """Calls `done` once the gradient of this call's inputs is complete: a multi-grad hook on
+    per-call aliases of the grad-requiring input tensors (positional or keyword, nested too:
+    Hugging Face layers take `hidden_states=`). An alias (`t.view_as(t)`) is consumed by this
+    call only, so its gradient is complete right after the module's backward, even when the
+    tensor itself feeds other units too (an encoder output to every cross-attention, a parameter
+    passed in); and, unlike a custom Function's output, a plain view may be modified in place.
+    If the module did modify one, its hook no longer says when this call's backward is over, so
+    a second hook, on the tensors themselves as they were before the call (later than needed
+    when they feed others too, never too early), is kept instead; `settle` keeps one of the two.
+    The runtime removes the hook at the next pass (`remove`): on a leaf it would stay, and call
+    `done` again in every later backward."""
+
+    def __init__(self, aliases: list[tuple[torch.Tensor, torch.Tensor, int]], done: Callable[[], None]) -> None:
+        self.aliases, self.done = aliases, done
+        self.handle = self._hook([a for a, _, _ in aliases])
+        self.fallback: RemovableHandle | None = self._hook(list({id(t): t for _, t, _ in aliases}.values()))
+
+    def _hook(self, tensors: list[torch.Tensor]) -> RemovableHandle:
+        return torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.done(), mode="all")
+
+    def settle(self) -> None:
+        """After the module's forward: the aliases' hook, unless one was modified in place."""
+        assert self.fallback is not None, "InputWatch settled twice"
+        if any(a._version != v for a, _, v in self.aliases):
+            self.handle.remove()
+            self.handle = self.fallback
+        else:
+            self.fallback.remove()
+        self.fallback, self.aliases = None, []
+
+    def remove(self) -> None:
+        self.handle.remove()
+        if self.fallback is not None:  # its forward raised before settle
+            self.fallback.remove()
+
+
+def _alias(obj: Any, out: list[tuple[torch.Tensor, torch.Tensor, int]]) -> Any:
+    """`obj` with every grad-requiring tensor in it (through tuples, lists and dicts) replaced by
+    a view of itself, each recorded in `out` with its version."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.requires_grad:
+            return obj
+        alias = obj.view_as(obj)
+        out.append((alias, obj, alias._version))
+        return alias
+    if type(obj) in (tuple, list):
+        return type(obj)(_alias(o, out) for o in obj)
+    if type(obj) is dict:
+        return {k: _alias(v, out) for k, v in obj.items()}
+    return obj
 
 
 def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookTarget) -> list[RemovableHandle]:
     """Forward pre/post hooks and output-gradient hooks on every module that uses units."""
     handles: list[RemovableHandle] = []
     for module, units in users.items():
-        handles.append(module.register_forward_pre_hook(_pre_hook(units, target), with_kwargs=True))
-        handles.append(module.register_forward_hook(_post_hook(units, target)))
+        open_watches: list[InputWatch | None] = []  # one per call in progress (a module may re-enter)
+        handles.append(module.register_forward_pre_hook(_pre_hook(units, target, open_watches), with_kwargs=True))
+        handles.append(module.register_forward_hook(_post_hook(units, target, open_watches)))
     return handles
 
 
-def _pre_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, dict], None]:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        watch = None
+def _pre_hook(units: tuple[Unit, ...], target: HookTarget,
+              open_watches: list[InputWatch | None]) -> Callable[[nn.Module, tuple, dict], tuple | None]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        watch, aliases = None, []
         if torch.is_grad_enabled() and target.wants_inputs_grad(units):
-            watch = _watch_inputs(args, kwargs, lambda: target.inputs_grad(units))
+            args, kwargs = _alias(args, aliases), _alias(kwargs, aliases)
+            watch = InputWatch(aliases, lambda: target.inputs_grad(units)) if aliases else None
+        open_watches.append(watch)
         target.forward_enter(module, units, watch)
+        return (args, kwargs) if watch is not None else None
     return hook
 
 
-def _post_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Module, tuple, Any], None]:
+def _post_hook(units: tuple[Unit, ...], target: HookTarget,
+               open_watches: list[InputWatch | None]) -> Callable[[nn.Module, tuple, Any], None]:
     def on_output_grad(*_: Any) -> None:
         target.backward_enter(units)
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        watch = open_watches.pop() if open_watches else None
+        if watch is not None:
+            watch.settle()
         if torch.is_grad_enabled():
             nodes: set[int] = set()
             for t in _tensors(output):
@@ -99,12 +145,16 @@ def _post_hook(units: tuple[Unit, ...], target: HookTarget) -> Callable[[nn.Modu
                     continue
                 if t.grad_fn is None:
                     t.register_hook(on_output_grad)
-                elif id(t.grad_fn) not in nodes:
-                    # A pre-hook of the node, not a hook of the tensor: the tensor may also be the
-                    # next module's input, whose gradient hook lets that module's units go, and a
-                    # node's pre-hooks run after its tensors' hooks, so units are let go first.
-                    nodes.add(id(t.grad_fn))
-                    t.grad_fn.register_prehook(on_output_grad)
+                    continue
+                # Pre-hooks of the node, not a hook of the tensor: the tensor is often the next
+                # module's input, whose watch lets that module's units go, and a node's pre-hooks
+                # run after its tensors' hooks, so units are let go first. A view's base's node
+                # too: the caller may modify the view in place, which replaces the view's node.
+                base = t._base if t._is_view() else None
+                for node in (t.grad_fn, base.grad_fn if base is not None else None):
+                    if node is not None and id(node) not in nodes:
+                        nodes.add(id(node))
+                        node.register_prehook(on_output_grad)
         target.forward_exit(module, units)
     return hook
 

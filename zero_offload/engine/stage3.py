@@ -31,7 +31,6 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
@@ -125,7 +124,7 @@ class Stage3Runtime:
         self.boundary = True
         self._fresh: dict[str, torch.Tensor] = {}
         self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
-        self._watches: list[RemovableHandle] = []
+        self._watches: list[hooks.InputWatch] = []
         self._reset_pass()
 
     # ---- construction ----
@@ -191,7 +190,7 @@ class Stage3Runtime:
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
         return self.phase is not Phase.BACKWARD and any(_counts_inputs(u) for u in units)
 
-    def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: RemovableHandle | None) -> None:
+    def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: hooks.InputWatch | None) -> None:
         self._segment_end()
         if module is self.model and self.phase is not Phase.BACKWARD:
             self._begin_pass()
@@ -200,6 +199,7 @@ class Stage3Runtime:
         for u in units:
             if watch is not None and _counts_inputs(u):
                 self._exits[u.index] = self._exits.get(u.index, 0) + 1
+                self._watched.add(u.index)
             if self.phase is Phase.BACKWARD:  # checkpoint recomputation
                 if u.index in self._held:
                     continue  # gathered for backward already; the recomputation may stop early and never exit
@@ -240,7 +240,7 @@ class Stage3Runtime:
                 self._exits[u.index] = left - 1
                 if left == 1 and u.trainable is None:
                     self._finish_unit(u)
-                elif left == 1 and u.index in self._done and u.index not in self._enclosing:
+                elif left == 1 and u.index in self._done:
                     self._let_go(u)
         self._segment_start()
 
@@ -281,8 +281,15 @@ class Stage3Runtime:
             shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
         if shard is not None:
             self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
-        if self._exits.get(u.index, 0) == 0 and not (_counts_inputs(u) and u.index in self._enclosing):
-            self._let_go(u)  # else a frozen part may still be needed (see inputs_grad, _enclosing)
+        if self._exits.get(u.index, 0) == 0 and not self._held_to_end(u):
+            self._let_go(u)  # else a frozen part may still be needed (see inputs_grad)
+
+    def _held_to_end(self, u: Unit) -> bool:
+        """A unit with frozen parameters that encloses other units and whose inputs nobody
+        watches (the root, fed token ids): its frozen weights (ln_f under the blocks) may be
+        needed until the end of backward, and only the end says so. A watched one goes when its
+        inputs' gradient comes, after the backward of every unit inside it."""
+        return _counts_inputs(u) and u.index in self._enclosing and u.index not in self._watched
 
     def _let_go(self, u: Unit) -> None:
         """Backward needs the unit's weights no more."""
@@ -301,6 +308,7 @@ class Stage3Runtime:
         self._reported: dict[int, int] = {}
         self._reported_params: set[int] = set()
         self._exits: dict[int, int] = {}
+        self._watched: set[int] = set()  # units whose inputs this pass watches (hooks.InputWatch)
         self._recomputing: set[int] = set()
         self._seg: int | None = None
 
