@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import pytest
 import torch
@@ -241,24 +242,8 @@ def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(style:
     backward failed on a 0-byte storage. Inputs passed by keyword or nested were not watched,
     an input modified in place broke the identity Function that watched it, and a root unit
     with frozen weights (ln_f) was let go before the blocks' backward had used them (reviews)."""
-    ref = _Lora(style=style, frozen_root=frozen_root)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    for x in xs:
-        ref(x).backward()
-        opt.step()
-        opt.zero_grad()
     block = sum(p.numel() * 4 for p in _LoraBlock(16).parameters())
-    engine = zero_offload.initialize(_Lora(style=style, frozen_root=frozen_root), dict(
-        stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 1e-2},
-        stage3={"unit_modules": ["_LoraBlock"], "live_budget_bytes": 2 * block + 4096, "prefetch_depth": 0}))
-    for x in xs:
-        engine.backward(engine(x))
-        engine.step()
-    got = engine.consolidated_state_dict()
-    for k, v in ref.state_dict().items():
-        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
-    engine.close()
+    _matches_adamw(lambda: _Lora(style=style, frozen_root=frozen_root), "_LoraBlock", lambda m: 2 * block + 4096, 3)
 
 
 class _BiasedLora(_LoraBlock):
@@ -288,19 +273,28 @@ def test_a_parameter_passed_into_units_is_watched_for_one_pass_only() -> None:
     fired again in every later backward, letting units go early; and, on the tensor itself, it
     fired only once every unit fed by it was done, so every block stayed gathered to the end of
     backward (reviews of the fix above). The budget holds the root and two blocks."""
-    ref = _SharedShift()
+    block = -(-sum(p.numel() for p in _LoraBlock(16).parameters()) // 16) * 16 * 4  # padded to 16
+
+    def root_and_two_blocks(m: _SharedShift) -> int:
+        return -(-sum(p.numel() for p in (m.inp.weight, m.inp.bias, m.shift)) // 16) * 16 * 4 + 2 * block
+    _matches_adamw(_SharedShift, "_BiasedLora", root_and_two_blocks, 4)
+
+
+def _matches_adamw(make: Callable[[], torch.nn.Module], unit: str, budget: Callable[[torch.nn.Module], int],
+                   steps: int) -> None:
+    """`steps` steps at stage 3 (cpu tiers, units of class `unit`, live budget `budget(model)`, no
+    read-ahead) equal torch.optim.AdamW on the same model (each returns its loss)."""
+    ref = make()
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
     for x in xs:
         ref(x).backward()
         opt.step()
         opt.zero_grad()
-    model = _SharedShift()
-    block = -(-sum(p.numel() for p in _LoraBlock(16).parameters()) // 16) * 16 * 4  # padded to 16
-    root = -(-sum(p.numel() for p in (model.inp.weight, model.inp.bias, model.shift)) // 16) * 16 * 4
+    model = make()
     engine = zero_offload.initialize(model, dict(
         stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"}, optimizer={"lr": 1e-2},
-        stage3={"unit_modules": ["_BiasedLora"], "live_budget_bytes": root + 2 * block, "prefetch_depth": 0}))
+        stage3={"unit_modules": [unit], "live_budget_bytes": budget(model), "prefetch_depth": 0}))
     for x in xs:
         engine.backward(engine(x))
         engine.step()
