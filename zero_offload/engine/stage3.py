@@ -94,9 +94,8 @@ class Stage3Runtime:
             shapes = {(id(new[k]) if k in new else k): s for k, s in shapes.items()}
         self._make_units(plan, elem, shapes)
         self._check_budget(plan)
-        # Units gathered around other units (the root): a frozen part of theirs (ln_f under the
-        # blocks) may be needed by backward after their own inputs' gradient, so they are held
-        # to the end of backward (every chain counts them in the budget already).
+        # Units gathered around other units (the root): see _held_to_end (every chain counts
+        # them in the budget already).
         self._enclosing = {i for m, chain in plan.chains.items() for i in chain if i not in plan.users.get(m, ())}
         opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
         # Updates stream to the params tier as each shard is stepped (under backward), so the
@@ -299,7 +298,7 @@ class Stage3Runtime:
 
     # ---- passes ----
     def _reset_pass(self) -> None:
-        for watch in self._watches:  # the last pass's input hooks (see hooks._watch_inputs)
+        for watch in self._watches:  # the last pass's input hooks (see hooks.InputWatch)
             watch.remove()
         self._watches = []
         self._refs: dict[int, int] = {}
