@@ -8,6 +8,7 @@ from typing import Callable
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import zero_offload
 from _stage3_model import batch, make_model
@@ -230,18 +231,21 @@ class _Lora(torch.nn.Module):
         for blk in self.blocks:
             x = {"positional": lambda: blk(x), "keyword": lambda: blk(x=x), "nested": lambda: blk((x, None)),
                  "inplace": lambda: blk(x * 1.0, inplace="before"),
-                 "inplace_after": lambda: blk(x, inplace="after")}[self.style]()
+                 "inplace_after": lambda: blk(x, inplace="after"),
+                 "reentrant": lambda: checkpoint(blk, x, use_reentrant=True)}[self.style]()
         return self.out(self.ln_f(x)).pow(2).mean()
 
 
 @pytest.mark.parametrize("style, frozen_root", [("positional", False), ("keyword", False), ("nested", False),
-                                                ("inplace", False), ("inplace_after", False), ("positional", True)])
+                                                ("inplace", False), ("inplace_after", False), ("reentrant", True),
+                                                ("positional", True)])
 def test_lora_units_keep_their_frozen_weights_until_their_inputs_gradient(style: str, frozen_root: bool) -> None:
     """A unit was let go once its trainable parameters (the adapters) had reported, while the
     frozen base Linear still had to compute its input's gradient from the released weights:
     backward failed on a 0-byte storage. Inputs passed by keyword or nested were not watched,
     an input modified in place broke the identity Function that watched it, and a root unit
-    with frozen weights (ln_f) was let go before the blocks' backward had used them (reviews)."""
+    with frozen weights (ln_f) was let go before the blocks' backward had used them; under a
+    reentrant checkpoint (forward without grad) nothing watched a unit's inputs (reviews)."""
     block = sum(p.numel() * 4 for p in _LoraBlock(16).parameters())
     _matches_adamw(lambda: _Lora(style=style, frozen_root=frozen_root), "_LoraBlock", lambda m: 2 * block + 4096, 3)
 

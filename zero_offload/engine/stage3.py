@@ -187,7 +187,11 @@ class Stage3Runtime:
 
     # ---- hook target ----
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
-        return self.phase is not Phase.BACKWARD and any(_counts_inputs(u) for u in units)
+        """A use of a unit with frozen parameters is watched in forward, and in backward when it
+        recomputes a use the forward made without grad (a reentrant checkpoint's)."""
+        if self.phase is Phase.BACKWARD:
+            return any(self._unwatched.get(u.index, 0) for u in units)
+        return any(_counts_inputs(u) for u in units)
 
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: hooks.InputWatch | None) -> None:
         self._segment_end()
@@ -196,15 +200,27 @@ class Stage3Runtime:
         if watch is not None:
             self._watches.append(watch)
         for u in units:
-            if watch is not None and _counts_inputs(u):
-                self._exits[u.index] = self._exits.get(u.index, 0) + 1
-                self._watched.add(u.index)
+            self._count_use(u, watch is not None)
             if self.phase is Phase.BACKWARD:  # checkpoint recomputation
                 if u.index in self._held:
                     continue  # gathered for backward already; the recomputation may stop early and never exit
                 self._recomputing.add(u.index)
             self._acquire(u)
         self._segment_start()
+
+    def _count_use(self, u: Unit, watched: bool) -> None:
+        """A use of a unit with frozen parameters: watched ones are counted until their inputs'
+        gradient comes; one made without grad in forward is remembered, so that its
+        recomputation in backward (a reentrant checkpoint) is watched instead."""
+        if not _counts_inputs(u):
+            return
+        if watched:
+            self._exits[u.index] = self._exits.get(u.index, 0) + 1
+            self._watched.add(u.index)
+            if self.phase is Phase.BACKWARD:
+                self._unwatched[u.index] -= 1
+        elif self.phase is Phase.FORWARD and not torch.is_grad_enabled():
+            self._unwatched[u.index] = self._unwatched.get(u.index, 0) + 1
 
     def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None:
         self._segment_end()
@@ -308,6 +324,7 @@ class Stage3Runtime:
         self._reported_params: set[int] = set()
         self._exits: dict[int, int] = {}
         self._watched: set[int] = set()  # units whose inputs this pass watches (hooks.InputWatch)
+        self._unwatched: dict[int, int] = {}  # uses made without grad, to watch when recomputed
         self._recomputing: set[int] = set()
         self._seg: int | None = None
 
