@@ -116,26 +116,33 @@ class DeviceAdam:
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  s: Scalars, lowp_out: torch.Tensor | None) -> None:
-        self.segments(master, grad, m, v, [(0, master.numel(), s)], lowp_out)
+        _fused([master], [grad.float()], [m], [v], s)
+        if lowp_out is not None:
+            lowp_out.copy_(master)
 
     def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
         """One fused launch per distinct group, over the slices of its runs (the fused kernels
         take lists of tensors)."""
         g = grad.float()
-        by_group: dict[tuple, list[tuple[int, int]]] = {}
-        for lo, hi, s in segments:
-            by_group.setdefault(tuple(_hyper(s).items()), []).append((lo, hi))
-        step = torch.tensor(float(segments[0][2].step), device=master.device)  # read, not advanced, by the kernel
-        for key, spans in by_group.items():
-            h = dict(key)
-            gs = [g[lo:hi] * h["grad_scale"] if h["grad_scale"] != 1.0 else g[lo:hi] for lo, hi in spans]
-            fused = torch._fused_adamw_ if h["decoupled"] else torch._fused_adam_
-            fused([master[lo:hi] for lo, hi in spans], gs, [m[lo:hi] for lo, hi in spans],
-                  [v[lo:hi] for lo, hi in spans], [], [step] * len(spans), lr=h["lr"], beta1=h["beta1"],
-                  beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False)
+        by_group: dict[tuple, tuple[Scalars, list[tuple[int, int]]]] = {}
+        for lo, hi, sc in segments:
+            by_group.setdefault(tuple(_hyper(sc).items()), (sc, []))[1].append((lo, hi))
+        for sc, spans in by_group.values():
+            _fused(*([t[lo:hi] for lo, hi in spans] for t in (master, g, m, v)), sc)
         if lowp_out is not None:
             lowp_out.copy_(master)
+
+
+def _fused(masters: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torch.Tensor],
+           vs: list[torch.Tensor], s: Scalars) -> None:
+    """torch's fused Adam/AdamW over tensors sharing the scalars `s` (grads already float)."""
+    if s.grad_scale != 1.0:
+        grads = [g * s.grad_scale for g in grads]
+    step = torch.tensor(float(s.step), device=masters[0].device)  # read, not advanced, by the kernel
+    fused = torch._fused_adamw_ if s.decoupled else torch._fused_adam_
+    fused(masters, grads, ms, vs, [], [step] * len(masters), lr=s.lr, beta1=s.beta1, beta2=s.beta2,
+          weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
 
 
 class StateAccess:
