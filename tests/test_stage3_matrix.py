@@ -165,3 +165,39 @@ def test_a_parameter_used_on_some_ranks_only_fails_fast(resident: int) -> None:
     process, or (every unit resident, so no gathers in backward) the weights came out wrong
     without a word (a review)."""
     run_ranks(_unused_on_one_rank, 2, timeout=60, resident=resident)
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x.pow(2).mean()
+
+
+def _eval_on_rank0_only(rank: int, world: int) -> None:
+    import zero_offload
+
+    engine = zero_offload.initialize(_TwoBlocks(), dict(
+        stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
+        stage3={"unit_modules": ["Linear"], "resident_bytes": 0}))
+    engine.backward(engine(torch.randn(4, 8)))
+    engine.step()
+    with pytest.raises(RuntimeError, match="gather .blocks.0. with(out)? grad.*an evaluation forward must run on every rank"):
+        if rank == 0:
+            with torch.no_grad():
+                engine(torch.randn(4, 8))
+        engine.backward(engine(torch.randn(4, 8)))
+    engine.close()
+
+
+def test_an_evaluation_forward_on_one_rank_fails_fast_on_every_rank() -> None:
+    """`if rank == 0: evaluate()` at stage 3: rank 0's gathers for its no-grad forward paired
+    with rank 1's training gathers of the same units, and the ranks then met in mismatched
+    collectives (a hang until the launcher's timeout). A gather's check now tells a forward with
+    grad from one without, so both ranks fail at the first unit with a line that says why."""
+    run_ranks(_eval_on_rank0_only, 2, timeout=60)

@@ -37,17 +37,33 @@ def check_same_unit(unit: Unit, purpose: str = "gather") -> None:
     """Every rank must gather (or reduce) the same unit now; a tiny all-reduce checks it before the
     collective, so ranks whose control flow diverged fail at once with a message instead of hanging
     in mismatched collectives, or pairing them (all of them are in this same all-reduce, whatever
-    unit each one wanted; a gather's check and a reduction's are told apart, so they cannot pair)."""
+    unit each one wanted). The code tells a reduction from a gather, and a gather with grad from
+    one without: an evaluation forward on rank 0 alone would otherwise pair its gathers with the
+    other ranks' training gathers of the same units and hang later, in the next mismatch."""
     if comm.world_size() == 1:
         return
-    code = 2 * unit.index + (purpose == "reduce")
+    kind = 1 if purpose == "reduce" else (0 if torch.is_grad_enabled() else 2)
+    code = 4 * unit.index + kind
     ids = torch.tensor([code, -code], dtype=torch.int64, device=unit.device)
     comm.all_reduce_(ids, "max")
     low, high = -int(ids[1]), int(ids[0])
-    if low != high:  # an odd code: a rank is reducing (its unit's gradients came at another time)
+    if low != high:
         raise RuntimeError(f"stage 3: ranks {purpose} different units next (rank {comm.rank()}: {purpose} "
-                           f"'{unit.name}'); every rank must run the same modules in the same order"
-                           f"{_REDUCE_HINT if low % 2 or high % 2 else ''}")
+                           f"'{unit.name}'{_KIND_NOTE[kind]}); every rank must run the same modules in the same "
+                           f"order{_hint(low % 4, high % 4)}")
+
+
+_KIND_NOTE = {0: " with grad", 1: "", 2: " without grad"}
+
+
+def _hint(*kinds: int) -> str:
+    """What most likely diverged: a unit reduced at another time (a parameter unused on some
+    ranks) or a forward without grad on some ranks only (an evaluation on rank 0)."""
+    if 1 in kinds:
+        return _REDUCE_HINT
+    if 0 in kinds and 2 in kinds:
+        return ", with grad or without (an evaluation forward must run on every rank, or on none)"
+    return ""
 
 
 class LiveBudget:
