@@ -294,8 +294,8 @@ def test_leftovers_of_a_crashed_run_are_reused_or_removed(tmp_path: Path, caplog
 
 def test_directory_of_a_live_store_is_refused(tmp_path: Path) -> None:
     with _store([tmp_path]):
-        with pytest.raises(SwapError, match=rf"swap dir {tmp_path}/zero_offload-t-rank0 is in use by running "
-                                            rf"process {os.getpid()}"):
+        with pytest.raises(SwapError, match=rf"swap dir {tmp_path}/zero_offload-t-rank0 is in use by another engine of this process "
+                                            rf"\(pid {os.getpid()}\): close\(\) it first"):
             _store([tmp_path])
 
 

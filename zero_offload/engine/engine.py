@@ -8,6 +8,8 @@ stages 0-2, Stage3Runtime in stage3.py for stage 3) with one interface.
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from enum import Enum
 from typing import Any
 
@@ -84,6 +86,8 @@ class Engine:
         self.global_steps = 0
         self.load_failed: str | None = None  # why the last load_checkpoint stopped part way, if it did
         self.stopped: str | None = None  # why training cannot go on until a load (see _require_loaded)
+        self._hyper: list[tuple] | None = None  # hyperparameters when the last backward began
+        self.closed = False
         if config.stage == 3:
             # The runtime materializes (meta models) and places the model unit by unit and
             # broadcasts rank 0's initial values itself: moving the whole model to the device
@@ -94,8 +98,15 @@ class Engine:
             self.runtime: Any = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
         else:
             self._build_bucket_runtime(model, config, init_fn, weights)
+        # An engine dropped without close() still lets its threads, files and swap-folder locks go
+        # (the runtime's threads hold the runtime, never the engine); at exit too.
+        self._finalizer = weakref.finalize(self, self.runtime.close)
         if groups is not None:
-            self._set_groups(*groups)
+            try:
+                self._set_groups(*groups)
+            except BaseException:
+                self.close()
+                raise
 
     def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: str | None) -> None:
         """Stages 0-2: the whole model on the compute device in the compute dtype."""
@@ -151,7 +162,12 @@ class Engine:
         self._require_loaded("backward")
         self.phase.start_backward()
         scale = self.runtime.shard_optimizer.scaler.scale
-        self.runtime.begin_backward(self.is_boundary)
+        try:  # its checks (a parameter frozen or edited since initialize) come before anything is reduced
+            self.runtime.begin_backward(self.is_boundary)
+        except BaseException:
+            self.phase.abort_backward()
+            raise
+        self._hyper = self._hyperparameters()
         try:
             (loss * scale if scale != 1.0 else loss).backward()
             self.runtime.end_backward()  # reduces what got no gradient: may fail the same ways
@@ -183,6 +199,19 @@ class Engine:
                 self.stopped = (f"a backward failed on this rank ({type(exc).__name__}: {exc}); with D > 1 the "
                                 "other ranks may be waiting in its reductions, or stepped other shards")
 
+    def _hyperparameters(self) -> list[tuple] | None:
+        """The param_groups' hyperparameters as the overlapped step reads them: during backward,
+        as each shard's gradient arrives (None when the step waits for step() instead)."""
+        if not self.runtime.shard_optimizer.eager:
+            return None
+        return [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in self.optimizer.param_groups]
+
+    def _warn_late_hyperparameters(self) -> None:
+        if self._hyper is not None and self._hyper != self._hyperparameters():
+            warnings.warn("engine.step(): lr, betas, eps or weight_decay changed after engine.backward(); the "
+                          "overlapped step had used the values set when backward began, the new ones apply from the "
+                          "next step (set them before the forward, or use overlap_step=False)", stacklevel=3)
+
     def _replicated_ranks(self) -> bool:
         return self.runtime.replicated and comm.world_size() > 1
 
@@ -193,6 +222,7 @@ class Engine:
         applied = False
         try:
             if self.is_boundary:
+                self._warn_late_hyperparameters()
                 applied = self._runtime_step()
                 self.global_steps += 1
             self.micro_step += 1
@@ -235,6 +265,7 @@ class Engine:
         """Ideal vs retained vs peak bytes per tier x group; prints the table on rank 0 if verbose."""
         from zero_offload.engine.memory import memory_report
 
+        self._require_open("memory_report")
         report = memory_report(self)
         if verbose and comm.rank() == 0:
             print(report["table"])
@@ -275,7 +306,12 @@ class Engine:
         self._require_loaded("consolidated_state_dict")
         return consolidated_state_dict(self)
 
+    def _require_open(self, call: str) -> None:
+        if self.closed:
+            raise EngineStateError(f"engine.{call}: the engine was closed")
+
     def _require_loaded(self, call: str) -> None:
+        self._require_open(call)
         if self.load_failed is not None:
             raise EngineStateError(f"engine.{call}: the last load_checkpoint stopped part way ({self.load_failed}) "
                                    "and left the state partly overwritten; load a checkpoint that loads")
@@ -283,11 +319,16 @@ class Engine:
             raise EngineStateError(f"engine.{call}: {self.stopped}; load a checkpoint to go on")
 
     def _require_idle(self, call: str) -> None:
+        self._require_open(call)
         if self.phase.phase not in (Phase.IDLE, Phase.FORWARD):
             raise EngineStateError(f"engine.{call} called in phase {self.phase.phase.value}: call engine.step() first")
 
     def close(self) -> None:
-        self.runtime.close()
+        """Stop the engine's threads and remove its files (NVMe slots); the engine cannot be used
+        afterwards. At stage 3 the module's parameters stay released: take
+        consolidated_state_dict() first to keep the weights."""
+        self.closed = True
+        self._finalizer()
 
 
 def initialize(model: torch.nn.Module, config: Config | dict | str | None = None, *, init_fn: Any = None,

@@ -39,10 +39,20 @@ class BucketRuntime:
         self.dtype = DTYPES[config.precision.dtype]
         self.replicated = config.stage == 0
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
         self.buckets = make_buckets(named[::-1], config.bucket_bytes, 1 if self.replicated else self.world)
         opt_bytes = sum(b.layout.shard_numel for b in self.buckets) * 4
         self.shard_optimizer = ShardOptimizer(config, device, self._on_updated,
                                               capacity_bytes=opt_bytes * 4 + (1 << 20))
+        self.accumulator: Accumulator | None = None
+        self.reducer: GradReducer | None = None
+        try:
+            self._build(config, device, opt_bytes)
+        except BaseException:  # a full drive, a bad tier: what was made goes (threads, files, locks)
+            self.close()
+            raise
+
+    def _build(self, config: Config, device: torch.device, opt_bytes: int) -> None:
         self.owner = 0 if self.replicated else self.rank
         for b in self.buckets:
             master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=device)
@@ -62,6 +72,9 @@ class BucketRuntime:
         # on the compute device).
         self._adoptable = {b.index for b in self.buckets
                            if all(p.is_contiguous() and p.dtype == self.dtype and p.device == device for p in b.params)}
+        # Each parameter's (version, address) as the engine last wrote it: a change between
+        # steps is the user's (load_state_dict, an in-place edit), see _take_edits.
+        self._stamps = {b.index: _stamps(b) for b in self.buckets}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -72,7 +85,51 @@ class BucketRuntime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
+        self._check_trainable()
+        self._take_edits()
         self.reducer.begin(boundary)
+
+    def _check_trainable(self) -> None:
+        """Which parameters train is fixed at initialize: a parameter frozen afterwards would
+        still be stepped (Adam's moments keep moving it), one unfrozen would gather .grad that
+        nothing steps. Both are refused, before the backward touches anything."""
+        for b in self.buckets:
+            for name, p in zip(b.names, b.params):
+                if not p.requires_grad:
+                    raise RuntimeError(f"engine.backward: parameter '{name}' was frozen (requires_grad=False) after "
+                                       "initialize; the trainable parameters are fixed then: freeze it before "
+                                       "initialize (or build a new engine)")
+        for name, p in self.frozen:
+            if p.requires_grad:
+                raise RuntimeError(f"engine.backward: parameter '{name}' was unfrozen (requires_grad=True) after "
+                                   "initialize; the trainable parameters are fixed then: unfreeze it before "
+                                   "initialize (or build a new engine)")
+
+    def _take_edits(self) -> None:
+        """Parameters changed since the engine last wrote them (`module.load_state_dict`, an
+        in-place edit, `p.data = ...`) become their bucket's master shard, moments kept, as
+        torch optimizers step whatever the parameter holds; without this the next step would
+        overwrite the edit with the update of the old master. In bf16/fp16 the master takes the
+        edited compute copy's values. A stale .grad (left by a refused loss.backward(), or held
+        before initialize) is dropped: engine.step() clears gradients, so none may carry over."""
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+            if _stamps(b) != self._stamps[b.index]:
+                self._reseed(b)
+
+    def _reseed(self, b: Bucket) -> None:
+        for name, p, shape in zip(b.names, b.params, b.layout.shapes):
+            if p.shape != shape or p.dtype != self.dtype or p.device != self.device:
+                raise RuntimeError(f"engine.backward: parameter '{name}' was replaced by a tensor of shape "
+                                   f"{tuple(p.shape)}, {p.dtype} on {p.device} after initialize; the engine holds "
+                                   f"{tuple(shape)}, {self.dtype} on {self.device}")
+        master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=self.device)
+        b.layout.shard_from([p.detach() for p in b.params], self.owner, master)
+        parts = self.shard_optimizer.read_state(b.key)
+        parts["master"] = master
+        self.shard_optimizer.write_state(b.key, parts)
+        self._stamps[b.index] = _stamps(b)
 
     def end_backward(self) -> None:
         self.reducer.end()
@@ -156,10 +213,11 @@ class BucketRuntime:
         if owned and b.index in self._adoptable:  # as step() runs after backward: few calls
             for p, v in zip(b.params, b.layout.views(full)):
                 p.data = v
-            return
-        with torch.no_grad():
-            for p, v in zip(b.params, b.layout.views(full)):
-                p.copy_(v)
+        else:
+            with torch.no_grad():
+                for p, v in zip(b.params, b.layout.views(full)):
+                    p.copy_(v)
+        self._stamps[b.index] = _stamps(b)
 
     def refresh_params(self) -> None:
         """Rebuild the compute copy from the master shards (after a checkpoint load)."""
@@ -215,8 +273,17 @@ class BucketRuntime:
         return out
 
     def close(self) -> None:
-        self.reducer.remove()
+        if self.reducer is not None:
+            self.reducer.remove()
         try:
             self.shard_optimizer.close()
         finally:  # the files go even when a last write failed
-            self.accumulator.close()
+            if self.accumulator is not None:
+                self.accumulator.close()
+
+
+def _stamps(b: Bucket) -> list[tuple[int, int]]:
+    """(version counter, address) of each of the bucket's parameters: an in-place change bumps
+    the first, a `p.data = ...` changes the second; `.data` assignments by the engine itself
+    are followed by a new stamp."""
+    return [(p._version, p.data_ptr()) for p in b.params]

@@ -92,39 +92,49 @@ class Stage3Runtime:
             for up in plan.units:
                 up.params = [(n, new.get(id(p), p)) for n, p in up.params]
             shapes = {(id(new[k]) if k in new else k): s for k, s in shapes.items()}
-        self._make_units(plan, elem, shapes)
-        self._check_budget(plan)
-        # Units gathered around other units (the root): see _held_to_end (every chain counts
-        # them in the budget already).
-        self._enclosing = {i for m, chain in plan.chains.items() for i in chain if i not in plan.users.get(m, ())}
-        opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
-        # Updates stream to the params tier as each shard is stepped (under backward), so the
-        # updated shards are never all held at once and the step does not wait for their writes.
-        self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated, stream_updates=True,
-                                              capacity_bytes=opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20))
-        source = materialize.open_weights(weights) if weights else None
-        filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights),
-                                          shapes=shapes)
-        for u in self.units:
-            self._materialize(u, filler)
-        materialize.materialize_buffers(model, self.device, source)
-        for b in model.buffers():
-            comm.broadcast_(b.data, 0)
-        del source
-        self.prefetcher = Prefetcher(self.units, config.stage3.live_budget_bytes, config.stage3.prefetch_depth)
-        self._gather_resident()
-        self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
-        self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
-        self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
-        self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
-                                                  device=self.device, rank=self.rank,
-                                                  capacity_bytes=(1 << 20)))  # NVMe files grow on demand
-        self.phase = Phase.IDLE
-        self.boundary = True
-        self._fresh: dict[str, torch.Tensor] = {}
-        self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
-        self._watches: list[hooks.InputWatch] = []
-        self._reset_pass()
+        self._handles: list = []
+        self.prefetcher: Prefetcher | None = None
+        self.shard_optimizer: ShardOptimizer | None = None
+        self.accumulator: Accumulator | None = None
+        self.params_store = None
+        try:
+            self._make_units(plan, elem, shapes)
+            self._check_budget(plan)
+            # Units gathered around other units (the root): see _held_to_end (every chain counts
+            # them in the budget already).
+            self._enclosing = {i for m, chain in plan.chains.items() for i in chain if i not in plan.users.get(m, ())}
+            opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
+            # Updates stream to the params tier as each shard is stepped (under backward), so the
+            # updated shards are never all held at once and the step does not wait for their writes.
+            capacity = opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20)
+            self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated, stream_updates=True,
+                                                  capacity_bytes=capacity)
+            source = materialize.open_weights(weights) if weights else None
+            filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights),
+                                              shapes=shapes)
+            for u in self.units:
+                self._materialize(u, filler)
+            materialize.materialize_buffers(model, self.device, source)
+            for b in model.buffers():
+                comm.broadcast_(b.data, 0)
+            del source
+            self.prefetcher = Prefetcher(self.units, config.stage3.live_budget_bytes, config.stage3.prefetch_depth)
+            self._gather_resident()
+            self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
+            self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
+            self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
+            self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
+                                                      device=self.device, rank=self.rank,
+                                                      capacity_bytes=(1 << 20)))  # NVMe files grow on demand
+            self.phase = Phase.IDLE
+            self.boundary = True
+            self._fresh: dict[str, torch.Tensor] = {}
+            self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
+            self._watches: list[hooks.InputWatch] = []
+            self._reset_pass()
+        except BaseException:  # an init_fn that raises, a full drive: what was made goes (threads, files, locks)
+            self.close()
+            raise
 
     # ---- construction ----
     def _make_units(self, plan: Plan, elem: int, shapes: dict[int, torch.Size]) -> None:
@@ -556,14 +566,18 @@ class Stage3Runtime:
                 for k, v in self.model.state_dict(keep_vars=True).items()}
 
     def close(self) -> None:
+        """Also what a failed __init__ made (the parts it did not reach are None)."""
         for h in self._handles:
             h.remove()
-        self.prefetcher.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         try:
-            self.shard_optimizer.close()
-            for u in self.units:
-                u.settle_writes()
+            if self.shard_optimizer is not None:
+                self.shard_optimizer.close()
+                for u in self.units:
+                    u.settle_writes()
         finally:  # the files go even when a last write failed
-            self.accumulator.close()
-            self.params_store.close()
+            for store in (self.accumulator, self.params_store):
+                if store is not None:
+                    store.close()
 

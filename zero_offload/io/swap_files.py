@@ -114,7 +114,9 @@ class SwapFile:
             return False
         old = _read_manifest(self.manifest_path)
         if old is not None and _owner_alive(old):
-            raise SwapError(errno.EBUSY, f"swap dir {self.dir} is in use by running process {old['pid']}")
+            who = (f"another engine of this process (pid {old['pid']}): close() it first" if old["pid"] == os.getpid()
+                   else f"running process {old['pid']}")
+            raise SwapError(errno.EBUSY, f"swap dir {self.dir} is in use by {who}")
         why = self._mismatch(old)
         if why is None:
             log.warning("reusing swap file %s left by a crashed run (pid %s)", self.path, old["pid"])
