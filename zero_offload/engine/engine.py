@@ -7,11 +7,12 @@ stages 0-2, Stage3Runtime in stage3.py for stage 3) with one interface.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -260,6 +261,30 @@ class Engine:
     @property
     def skipped_steps(self) -> int:
         return self.runtime.shard_optimizer.skipped_steps
+
+    @contextlib.contextmanager
+    def gathered(self, params: Any = None, *, modify: bool = False) -> Iterator[None]:
+        """Whole parameters outside forward: `with engine.gathered(engine.module.head): ...`.
+
+        `params`: modules, parameters, or a list of both (default: the whole model). At stage 3
+        their units are gathered for the block (a collective: every rank enters it; they must
+        fit stage3.live_budget_bytes); elsewhere parameters are whole anyway. With `modify=True`
+        the values rank 0 holds when the block ends become every rank's, and the optimizer's
+        master (moments kept): how to load or edit weights after initialize at stage 3."""
+        from zero_offload.engine.gathered import wanted_params
+
+        self._require_idle("gathered")
+        wanted = wanted_params(params, self.module)
+        if self.config.stage == 3:
+            with self.runtime.gathered(wanted, modify):
+                yield
+            return
+        yield
+        if modify and comm.world_size() > 1:  # the stage 0-2 runtime takes edits at the next backward
+            with torch.no_grad():
+                for p in wanted:
+                    values = p.detach().clone()
+                    p.copy_(comm.broadcast_(values, 0))
 
     def memory_report(self, verbose: bool = True) -> dict:
         """Ideal vs retained vs peak bytes per tier x group; prints the table on rank 0 if verbose."""

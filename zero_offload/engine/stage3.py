@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -123,6 +123,7 @@ class Stage3Runtime:
             self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
             self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
             self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
+            self._handles += [m.register_state_dict_pre_hook(self._guard_state_dict) for m in self.users]
             self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
                                                       device=self.device, rank=self.rank,
                                                       capacity_bytes=(1 << 20)))  # NVMe files grow on demand
@@ -135,6 +136,25 @@ class Stage3Runtime:
         except BaseException:  # an init_fn that raises, a full drive: what was made goes (threads, files, locks)
             self.close()
             raise
+
+    def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """`module.state_dict()` outside a pass or engine.gathered() would return the sharded
+        parameters' empty tensors without a word; refused. With keep_vars=True the caller asks
+        for the parameter objects themselves (the engine's own checkpoint code does), not values."""
+        if keep_vars:
+            return
+        units = self.units if module is self.model else self.users.get(module, ())
+        sharded = [u.name for u in units if u.state is not UnitState.GATHERED]  # a read ahead is not yet whole
+        if sharded:
+            raise RuntimeError(f"stage 3: {prefix.rstrip('.') or 'the model'}.state_dict() while units {sharded[:3]}"
+                               f"{'...' if len(sharded) > 3 else ''} are sharded would hold empty parameters; use "
+                               "engine.consolidated_state_dict(), or call it inside `with engine.gathered():`")
+
+    def gathered(self, params: list[nn.Parameter], modify: bool) -> Any:
+        """engine.gathered at stage 3 (gathered.py)."""
+        from zero_offload.engine.gathered import gathered
+
+        return gathered(self, params, modify)
 
     # ---- construction ----
     def _make_units(self, plan: Plan, elem: int, shapes: dict[int, torch.Size]) -> None:

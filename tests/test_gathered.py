@@ -1,0 +1,154 @@
+"""`engine.gathered(...)`: whole parameters outside forward, read or edited, against torch.
+
+At stage 3 a parameter is an empty tensor between passes: printing a weight's norm read 0.0,
+`module.state_dict()` returned 0-element tensors (a saved model was empty), and weights loaded
+after initialize went nowhere (a review). Inside `engine.gathered` they are whole; with
+`modify=True` rank 0's values become the compute copy and the master, moments kept, as a torch
+optimizer's state is kept when a weight is edited in place.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import zero_offload
+from _dist import run_ranks
+
+LR, WD = 1e-2, 0.01
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) - y).pow(2).mean()
+
+
+def _net(seed: int = 0) -> _Net:
+    torch.manual_seed(seed)
+    return _Net()
+
+
+def _batch(i: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    rows = 8 // world
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def _config(params: str, opt: str, tmp_path: Path | str, stage: int = 3, **extra: object) -> dict:
+    cfg = dict(stage=stage, tiers={"params": params, "optimizer": opt, "grads": "cpu"}, nvme_paths=[str(tmp_path)],
+               optimizer={"lr": LR, "weight_decay": WD}, **extra)
+    return cfg | ({"stage3": {"unit_modules": ["Linear"]}} if stage == 3 else {})
+
+
+def _reference(steps: int, edit: Callable[[int, nn.Module], None]) -> dict[str, torch.Tensor]:
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for i in range(steps):
+        edit(i, model)
+        model(*_batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _load_pretrained(i: int, m: nn.Module) -> None:
+    if i == 0:
+        m.load_state_dict(_net(seed=7).state_dict())
+
+
+def _halve_b(i: int, m: nn.Module) -> None:
+    if i == 2:
+        with torch.no_grad():
+            m.b.weight.mul_(0.5)
+            m.b.bias.data = torch.full_like(m.b.bias, 0.25)
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+TIERS = [("cpu", "cpu"), ("nvme", "nvme")]
+
+
+@pytest.mark.parametrize("edit", [_load_pretrained, _halve_b], ids=["load_state_dict", "edit-mid-run"])
+@pytest.mark.parametrize("params,opt", TIERS, ids=[f"{p}-{o}" for p, o in TIERS])
+def test_weights_edited_inside_gathered_are_trained_from(params: str, opt: str,
+                                                         edit: Callable[[int, nn.Module], None],
+                                                         tmp_path: Path) -> None:
+    engine = zero_offload.initialize(_net(), _config(params, opt, tmp_path))
+    for i in range(4):
+        with engine.gathered(modify=True):
+            edit(i, engine.module)
+        engine.backward(engine(*_batch(i)))
+        engine.step()
+    got = engine.consolidated_state_dict()
+    engine.close()
+    _assert_close(got, _reference(4, edit))
+
+
+def test_reading_weights_between_steps(tmp_path: Path) -> None:
+    """Inside the block a weight is whole and equals the master; outside, state_dict() is
+    refused in one line instead of returning empty tensors."""
+    engine = zero_offload.initialize(_net(), _config("cpu", "cpu", tmp_path))
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    full = engine.consolidated_state_dict()
+    with pytest.raises(RuntimeError, match=r"the model.state_dict\(\) while units .* are sharded would hold empty"):
+        engine.module.state_dict()
+    with pytest.raises(RuntimeError, match=r"b.state_dict\(\) while units \['b'\] are sharded"):
+        engine.module.b.state_dict(prefix="b.")
+    with engine.gathered(engine.module.b):
+        torch.testing.assert_close(engine.module.b.weight.detach().clone(), full["b.weight"], rtol=0, atol=0)
+        assert engine.module.b.state_dict()["bias"].shape == (16,)
+    assert engine.module.b.weight.numel() == 0  # released again
+    with engine.gathered():
+        _assert_close(engine.module.state_dict(), full)
+    engine.backward(engine(*_batch(1)))  # training goes on after the units came and went
+    engine.step()
+    engine.close()
+
+
+def test_gathering_more_than_the_live_budget_is_refused(tmp_path: Path) -> None:
+    cfg = _config("cpu", "cpu", tmp_path)
+    cfg["stage3"] = {"unit_modules": ["Linear"], "live_budget_bytes": 1500}
+    engine = zero_offload.initialize(_net(), cfg)
+    with pytest.raises(RuntimeError, match=r"the units \['a', 'b', 'c'\] need \d+ bytes gathered at once, above "
+                                           r"stage3.live_budget_bytes = 1500"):
+        with engine.gathered():
+            pass
+    with engine.gathered([engine.module.a, engine.module.c.bias]):
+        assert engine.module.c.weight.numel() == 64
+    with pytest.raises(ValueError, match="argument 0 is not a parameter of the engine's model"):
+        with engine.gathered(nn.Parameter(torch.zeros(2))):
+            pass
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    engine.close()
+
+
+def _rank0_loads(rank: int, world: int, stage: int, nvme_dir: str) -> None:
+    engine = zero_offload.initialize(_net(), _config("cpu" if stage == 3 else "device", "cpu", nvme_dir, stage=stage))
+    with engine.gathered(modify=True):
+        if rank == 0:  # only rank 0 reads the file, as a launcher script often does
+            engine.module.load_state_dict(_net(seed=7).state_dict())
+    for i in range(3):
+        engine.backward(engine(*_batch(i, rank, world)))
+        engine.step()
+    got = engine.consolidated_state_dict()
+    engine.close()
+    if rank == 0:
+        _assert_close(got, _reference(3, _load_pretrained))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rank0s_edits_become_every_ranks(stage: int, tmp_path: Path) -> None:
+    run_ranks(_rank0_loads, 2, timeout=90, stage=stage, nvme_dir=str(tmp_path))

@@ -1,0 +1,139 @@
+"""Whole parameters outside forward at stage 3: the body of `engine.gathered(...)`.
+
+Between passes a stage-3 parameter is an empty tensor (its unit is sharded), so reading a
+weight, printing its norm or calling `module.state_dict()` there would see nothing. Inside
+`engine.gathered(params)` the units holding `params` are gathered (every rank, a collective) and
+the parameters are whole compute copies; with `modify=True` the values rank 0 holds at the end
+of the block are broadcast and become every rank's shards: the compute copy, and for trainable
+parameters the fp32 master shard (the moments are kept, as a torch optimizer keeps its state when
+a weight is edited in place). In bf16/fp16 the master takes the compute copy's values.
+
+The units come and go outside any pass: the traced schedule is not told, the live budget is.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from zero_offload import comm
+from zero_offload.engine.prefetch import check_same_unit
+from zero_offload.engine.unit import FlatGroup, Unit, UnitState
+
+if TYPE_CHECKING:
+    from zero_offload.engine.stage3 import Stage3Runtime
+
+
+def wanted_params(what: nn.Module | nn.Parameter | Iterable[nn.Module | nn.Parameter] | None,
+                  model: nn.Module) -> list[nn.Parameter]:
+    """The parameters named by `what`: modules (all their parameters), parameters, a mix of
+    both, or None for the whole model."""
+    if what is None:
+        return list(model.parameters())
+    items = [what] if isinstance(what, (nn.Module, torch.Tensor)) else list(what)
+    out: list[nn.Parameter] = []
+    for item in items:
+        if isinstance(item, nn.Module):
+            out.extend(item.parameters())
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+        else:
+            raise TypeError(f"engine.gathered: expected modules or parameters, got {type(item).__name__}")
+    return out
+
+
+def units_of(rt: "Stage3Runtime", params: list[nn.Parameter]) -> list[Unit]:
+    """The units holding `params`, in unit order; a tensor that is no parameter of the engine's
+    model is refused (it would silently stay as it is)."""
+    home = {id(p): u for u in rt.units for p in u.params()}
+    missing = [i for i, p in enumerate(params) if id(p) not in home]
+    if missing:
+        raise ValueError(f"engine.gathered: argument {missing[0]} is not a parameter of the engine's model")
+    wanted = {home[id(p)].index for p in params}
+    return [u for u in rt.units if u.index in wanted]
+
+
+@contextlib.contextmanager
+def gathered(rt: "Stage3Runtime", params: list[nn.Parameter], modify: bool) -> Iterator[None]:
+    """Gather the units holding `params` for the block; see the module docstring."""
+    if any(rt._refs.values()):
+        raise RuntimeError("engine.gathered: a forward's units are still in use (call it after engine.step(), "
+                           "or after an evaluation forward, not between a forward and its backward)")
+    units = units_of(rt, params)
+    _check_fits(rt, units)
+    rt.prefetcher.release_all()  # read-aheads: their bytes back, and no fetch runs beside the writes below
+    taken: list[Unit] = []
+    try:
+        for u in units:
+            if not u.resident:
+                _gather(rt, u)
+                taken.append(u)
+        yield
+        if modify:
+            for u in units:
+                _write_back(rt, u)
+    finally:
+        for u in taken:
+            _release(rt, u)
+
+
+def _check_fits(rt: "Stage3Runtime", units: list[Unit]) -> None:
+    need = sum(u.nbytes for u in units if not u.resident)
+    limit = rt.prefetcher.budget.limit
+    if need > limit:
+        raise RuntimeError(f"engine.gathered: the units {[u.name for u in units if not u.resident]} need {need} "
+                           f"bytes gathered at once, above stage3.live_budget_bytes = {limit}; gather fewer "
+                           "parameters or modules at a time")
+
+
+def _gather(rt: "Stage3Runtime", u: Unit) -> None:
+    check_same_unit(u)  # every rank gathers the same units (a collective each)
+    rt.prefetcher.budget.take(u.nbytes)
+    try:
+        u.begin_fetch()
+        u.fetch_local()
+        u.finish_gather()
+    except BaseException:
+        _release(rt, u)
+        raise
+
+
+def _release(rt: "Stage3Runtime", u: Unit) -> None:
+    try:
+        if u.state is UnitState.GATHERED:
+            u.release()
+        elif u.state is UnitState.FETCHING:
+            u.abandon()
+    finally:
+        rt.prefetcher.budget.give(u.nbytes)
+
+
+def _write_back(rt: "Stage3Runtime", u: Unit) -> None:
+    """Rank 0's values of every group of `u` become every rank's shards (a resident unit, which
+    stays gathered, has every rank's slot from the broadcast already)."""
+    for g in u.groups:
+        _take_replaced(u, g)
+        comm.broadcast_(g.flat, 0)
+        lo, hi = g.layout.shard_range(rt.rank)
+        shard = g.flat[lo:hi].clone()
+        if g.trainable:
+            parts = rt.shard_optimizer.read_state(g.key)
+            parts["master"] = shard.float()
+            rt.shard_optimizer.write_state(g.key, parts)
+        u.write_shard(g.key, shard)
+        u.settle_write(g.key)
+
+
+def _take_replaced(u: Unit, g: FlatGroup) -> None:
+    """A parameter given new storage in the block (`p.data = t`) is copied into its view of the
+    flat buffer; in-place edits are there already."""
+    for name, p, view in zip(g.names, g.params, g.layout.views(g.flat)):
+        if p.data_ptr() == view.data_ptr():
+            continue
+        if p.shape != view.shape:
+            raise RuntimeError(f"engine.gathered: parameter '{name}' of unit '{u.name}' was given shape "
+                               f"{tuple(p.shape)}; it has {tuple(view.shape)}")
+        view.copy_(p.detach())
+        p.data = view
