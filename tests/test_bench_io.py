@@ -80,3 +80,39 @@ def test_ctrl_c_removes_the_test_files(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "bench-io: interrupted; test files removed" in err
     assert os.listdir(tmp_path) == []
+
+
+def _rows(rates: dict[tuple[str, int], float]) -> list[dict]:
+    """Sweep rows at queue depth 2, one thread: (backend, block size) -> write and read GB/s."""
+    return [{"op": op, "backend": kind, "block_size": bs, "queue_depth": 2, "threads": 1, "gbps": gbps}
+            for (kind, bs), gbps in rates.items() for op in bench_io.OPS]
+
+
+def test_best_setting_is_the_best_over_every_backend() -> None:
+    """It looked only at the first backend listed, so `--backends aiofiles,native` chose among
+    aiofiles's settings however much faster native was."""
+    rows = _rows({("aiofiles", 1 << 20): 1.0, ("aiofiles", 4 << 20): 2.0, ("native", 1 << 20): 3.0,
+                  ("native", 4 << 20): 2.5})
+    assert bench_io.best_setting(rows) == ("native", {"block_size": 1 << 20, "queue_depth": 2, "threads": 1})
+
+
+def test_printed_snippet_is_the_one_saved(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The printed snippet named native whenever native ran, while --write-config and --json saved
+    the first backend listed (here aiofiles), whichever was faster."""
+    cfg = tmp_path / "io.json"
+    work = tmp_path / "drive"
+    work.mkdir()
+    args = _args(["--path", str(work), "--size", "4MiB", "--block-sizes", "1MiB", "--queue-depths", "2",
+                  "--threads", "1", "--rounds", "1", "--no-fio", "--backends", "aiofiles,native",
+                  "--write-config", str(cfg)])
+    assert bench_io.main(args) == 0
+    out = capsys.readouterr().out
+    printed = json.loads(out[out.index("best settings (config snippet):"):].split("\n", 1)[1])
+    assert printed == json.loads(cfg.read_text())
+
+
+def test_size_not_a_multiple_of_4096_is_refused_before_the_run(tmp_path: Path) -> None:
+    """It failed on the first O_DIRECT write: "[Errno 22] write of ... failed: Invalid argument"."""
+    with pytest.raises(ValueError, match=r"^--size 6000: must be a multiple of 4096 bytes \(O_DIRECT alignment\)$"):
+        bench_io.run(_args(["--path", str(tmp_path), "--size", "6000", "--block-sizes", "4096", "--no-fio"]))
+    assert os.listdir(tmp_path) == []

@@ -212,3 +212,64 @@ def test_ledger_refuses_more_ranks_per_node_than_ranks() -> None:
 def test_ledger_ranks_per_node_up_to_dp_multiply_the_machine(ranks_per_node: int, host: int) -> None:
     led = ledger.ideal(12, 2, 1, tiers={"optimizer": "cpu"}, ranks_per_node=ranks_per_node)
     assert led.as_dict()["machine"]["cpu"] == host
+
+
+# ---- DeepSpeed values refused under their DeepSpeed names, as written ---------------------------
+
+@pytest.mark.parametrize("ds,needle", [
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}},
+     "DeepSpeed key 'zero_optimization.reduce_bucket_size' = -5 is invalid"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}},
+     "DeepSpeed key 'zero_optimization.stage3_max_live_parameters' = -1 is invalid"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": -1}},
+     "DeepSpeed key 'zero_optimization.stage3_param_persistence_threshold' = -1 is invalid"),
+    ({"zero_optimization": {"stage": 4}}, "DeepSpeed key 'zero_optimization.stage' = 4 is invalid"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}, "bf16": {"enabled": True}},
+     "DeepSpeed key 'optimizer.params.lr' = -1 is invalid"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}, "bf16": {"enabled": True}},
+     "DeepSpeed key 'optimizer.params.betas[1]' = 1.0 is invalid"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "DeepSpeed key 'fp16.loss_scale_window' = 0 is invalid"),
+    ({"aio": {"intra_op_parallelism": 300}}, "DeepSpeed key 'aio.intra_op_parallelism' = 300 is invalid"),
+    ({"gradient_clipping": -1}, "DeepSpeed key 'gradient_clipping' = -1 is invalid"),
+])
+def test_bad_deepspeed_value_names_the_deepspeed_key_and_the_value_written(ds: dict, needle: str) -> None:
+    """They named our field and the converted value: reduce_bucket_size -5 (elements, bf16 off)
+    was "config field 'bucket_bytes' = -20 is invalid"."""
+    assert "config field" not in _refused(ds, needle)
+
+
+def test_stage3_keys_below_stage_3_are_named() -> None:
+    """It said "stage3 settings are given but stage is 2", naming no DeepSpeed key."""
+    _refused({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}},
+             "DeepSpeed key(s) zero_optimization.stage3_max_live_parameters apply only to stage 3, "
+             "but zero_optimization.stage is 2")
+
+
+def test_bare_zero_optimization_block_is_read_as_deepspeeds(tmp_path: Path) -> None:
+    """It was read as ours: "unknown config key 'offload_optimizer'; did you mean 'optimizer'?"."""
+    bare = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps(bare))
+    for cfg in (Config.from_dict(bare), Config.from_file(str(path))):
+        assert cfg.stage == 3 and cfg.tiers.optimizer == "cpu" and cfg.tiers.params == "cpu"
+    _refused({**bare, "tiers": {"grads": "cpu"}}, "config mixes zero_offload keys (stage, tiers) with DeepSpeed keys")
+
+
+@pytest.mark.parametrize("ds,key,value", [
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu", 0),
+    ({"train_micro_batch_size_per_gpu": -2, "bf16": {"enabled": True}}, "train_micro_batch_size_per_gpu", -2),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 0}, "gradient_accumulation_steps", 0),
+])
+def test_micro_batch_and_steps_below_one_are_refused_without_train_batch_size(ds: dict, key: str,
+                                                                             value: int) -> None:
+    """train_batch_size absent, they were accepted (a micro batch of 0 said OK)."""
+    _refused(ds, f"DeepSpeed key '{key}' = {value} is invalid: expected an integer >= 1")
+
+
+def test_aio_thread_count_and_intra_op_parallelism_that_differ_are_refused() -> None:
+    """One of the two was silently dropped (whichever came second in the mapping)."""
+    for aio in ({"thread_count": 2, "intra_op_parallelism": 8}, {"intra_op_parallelism": 8, "thread_count": 2}):
+        _refused({"aio": aio, "zero_optimization": {"stage": 0}},
+                 "DeepSpeed aio.thread_count = 2 and aio.intra_op_parallelism = 8 differ")
+    same = Config.from_dict({"aio": {"thread_count": 4, "intra_op_parallelism": 4}, "zero_optimization": {}})
+    assert same.io.threads == 4

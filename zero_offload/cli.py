@@ -7,13 +7,14 @@ when run, so a broken benchmark never breaks `info` or `estimate`. Each such mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from zero_offload import ledger
 from zero_offload.config import PRECISIONS, TIERS, Config, ConfigError
@@ -77,19 +78,54 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+_USER_MODULE = "_zo_user_model"  # the name a --model FILE.py is imported under
+
+
+def _is_file_spec(mod_name: str) -> bool:
+    return mod_name.endswith(".py") or os.sep in mod_name
+
+
+@contextlib.contextmanager
+def _import_root(mod_name: str) -> Iterator[None]:
+    """Put where the user's code imports from first on sys.path, as Python would for
+    `python FILE.py` (the file's folder, so it can import its siblings) or `python -m MODULE`
+    (the working directory: the console script does not have it on sys.path). Kept while the
+    builder runs too, since it may import lazily; removed after, so nothing leaks."""
+    root = os.path.dirname(os.path.abspath(mod_name)) if _is_file_spec(mod_name) else os.getcwd()
+    sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        if root in sys.path:
+            sys.path.remove(root)
+
+
+def _exec_file(spec: str, mod_name: str) -> Any:
+    """Import a .py file as a module registered in sys.modules before it runs: the machinery
+    that looks a module up by name while it executes (dataclasses with postponed annotations,
+    pickling, typing) finds it there. It stays registered, as the builder still runs its code;
+    a failed import is removed, as importlib does."""
+    if not os.path.exists(mod_name):
+        raise CLIError(f"--model: no such file {mod_name}")
+    spec_obj = importlib.util.spec_from_file_location(_USER_MODULE, mod_name)
+    if spec_obj is None or spec_obj.loader is None:
+        raise CLIError(f"--model {spec!r}: {mod_name} is not a Python file")
+    module = importlib.util.module_from_spec(spec_obj)
+    sys.modules[_USER_MODULE] = module
+    try:
+        spec_obj.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(_USER_MODULE, None)
+        raise
+    return module
+
+
 def _import_model_module(spec: str, mod_name: str) -> Any:
     """Import the user's module; anything it raises (ImportError, SyntaxError, an error at its
     top level) is the user's to fix, so it becomes one line naming the --model value."""
     try:
-        if mod_name.endswith(".py") or os.sep in mod_name:
-            if not os.path.exists(mod_name):
-                raise CLIError(f"--model: no such file {mod_name}")
-            spec_obj = importlib.util.spec_from_file_location("_zo_user_model", mod_name)
-            if spec_obj is None or spec_obj.loader is None:
-                raise CLIError(f"--model {spec!r}: {mod_name} is not a Python file")
-            module = importlib.util.module_from_spec(spec_obj)
-            spec_obj.loader.exec_module(module)
-            return module
+        if _is_file_spec(mod_name):
+            return _exec_file(spec, mod_name)
         return importlib.import_module(mod_name)
     except CLIError:
         raise
@@ -97,11 +133,18 @@ def _import_model_module(spec: str, mod_name: str) -> Any:
         raise CLIError(f"--model {spec!r}: cannot import {mod_name}: {_one_line(exc)}") from None
 
 
-def load_callable(spec: str) -> Callable[[], Any]:
-    """Resolve 'MODULE:CALLABLE' where MODULE is a dotted module or a .py file path."""
+def _split_spec(spec: str) -> tuple[str, str]:
+    """'MODULE:CALLABLE' -> (MODULE, CALLABLE)."""
     if ":" not in spec:
         raise CLIError(f"--model {spec!r}: expected MODULE:CALLABLE (e.g. examples/models.py:gpt_small)")
     mod_name, attr = spec.rsplit(":", 1)
+    return mod_name, attr
+
+
+def load_callable(spec: str) -> Callable[[], Any]:
+    """Resolve 'MODULE:CALLABLE' where MODULE is a dotted module or a .py file path; the
+    caller holds _import_root when the module imports others (count_model_params does)."""
+    mod_name, attr = _split_spec(spec)
     module = _import_model_module(spec, mod_name)
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -116,12 +159,13 @@ def count_model_params(spec: str) -> tuple[int, int]:
     """
     import torch
 
-    fn = load_callable(spec)
-    try:
-        with torch.device("meta"):
-            model = fn()
-    except Exception as exc:  # e.g. a builder that needs arguments: the CLI calls it with none
-        raise CLIError(f"--model {spec!r}: calling it with no arguments failed: {_one_line(exc)}") from None
+    with _import_root(_split_spec(spec)[0]):
+        fn = load_callable(spec)
+        try:
+            with torch.device("meta"):
+                model = fn()
+        except Exception as exc:  # e.g. a builder that needs arguments: the CLI calls it with none
+            raise CLIError(f"--model {spec!r}: calling it with no arguments failed: {_one_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):
         raise CLIError(f"--model {spec}: returned {type(model).__name__}, not a torch.nn.Module")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -261,12 +305,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         if argv and argv[0] in _PLUGINS:
-            return _run_plugin(_PLUGINS[argv[0]][0], argv[1:], argv[0])
-        args = parser.parse_args(argv)
-        return args.func(args)
+            rc = _run_plugin(_PLUGINS[argv[0]][0], argv[1:], argv[0])
+        else:
+            args = parser.parse_args(argv)
+            rc = args.func(args)
+        sys.stdout.flush()  # here, so a reader gone by now is a BrokenPipeError below, not at exit
+        return rc
+    except BrokenPipeError:
+        return _reader_gone()
     except (CLIError, ConfigError, ValueError, OSError) as exc:
         print(f"zero-offload: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (`zero-offload estimate ... | head`): it has what it wanted,
+    so no error message. stdout is pointed at /dev/null so the interpreter's flush at exit does
+    not fail again on what is still buffered; 1, as Python's own docs do for EPIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout with no file descriptor (a test's capture)
+        pass
+    return 1
 
 
 if __name__ == "__main__":

@@ -25,14 +25,24 @@ OPTIMIZERS = ("adamw", "adam")
 IO_BACKENDS = ("auto", "native", "aiofiles")
 MiB = 1 << 20
 GiB = 1 << 30
+# The most CPU threads a setting may ask for: far above any workstation's cores, and far below
+# the counts (around 100,000) at which torch.set_num_threads crashes the process.
+MAX_THREADS = 4096
 
 
 class ConfigError(ValueError):
-    """A configuration value or combination that zero_offload refuses; the message is one line."""
+    """A configuration value or combination that zero_offload refuses; the message is one line.
+
+    `field` and `allowed` are set for a bad field value (see _fail), so a reader of another
+    format (deepspeed_compat) can say the same under its own key and the value as written."""
+
+    def __init__(self, message: str, field: str | None = None, allowed: str | None = None) -> None:
+        super().__init__(message)
+        self.field, self.allowed = field, allowed
 
 
 def _fail(path: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"config field '{path}' = {value!r} is invalid: {allowed}")
+    raise ConfigError(f"config field '{path}' = {value!r} is invalid: {allowed}", field=path, allowed=allowed)
 
 
 def _check_type(path: str, value: Any, kind: type | tuple[type, ...]) -> None:
@@ -126,7 +136,7 @@ class OptimizerConfig:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check_float("optimizer.eps", self.eps, 0.0, open_low=True)
         _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
-        _check_int("optimizer.threads", self.threads, 0, 4096)
+        _check_int("optimizer.threads", self.threads, 0, MAX_THREADS)
 
 
 @dataclass(frozen=True)

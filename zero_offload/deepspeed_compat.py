@@ -7,10 +7,12 @@ change what is stored where or how the step is computed. The batch sizes do: Dee
 the accumulation steps from them (train_batch_size = micro batch x accumulation x world size),
 and so do we (the world size: the process group's, else the launcher's WORLD_SIZE). A dict is
 read as DeepSpeed's when it has a top-level key only DeepSpeed has (`is_deepspeed`), with or
-without zero_optimization.
+without zero_optimization, or when it is a bare zero_optimization block.
 
 Every value we map is type-checked here, under its DeepSpeed name: JSON has no schema, and a
-Python `bool("false")` or `int(True)` would silently turn a slip into a setting.
+Python `bool("false")` or `int(True)` would silently turn a slip into a setting. A value Config
+then refuses (out of range) is reported under its DeepSpeed key too, as the user wrote it
+(`_as_deepspeeds`), not as our field holding a converted value.
 """
 from __future__ import annotations
 
@@ -38,7 +40,12 @@ _OURS_ONLY = _OURS - _TOP
 # contiguous_gradients is accepted because we always lay gradients out contiguously.
 _ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
          "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold"}
+_ZERO_ONLY = _ZERO - _OURS  # all but stage: they mark a bare zero_optimization block
 _OFFLOAD = {"device", "nvme_path", "pin_memory"}
+# stage3_* key -> our stage3 field (DeepSpeed counts elements, we bytes)
+_STAGE3_KEYS = {"stage3_max_live_parameters": "live_budget_bytes",
+                "stage3_param_persistence_threshold": "resident_bytes",
+                "stage3_prefetch_bucket_size": "unit_bytes"}
 # offload block -> the tier (state group) it moves
 _BLOCK_GROUP = {"offload_optimizer": "optimizer", "offload_param": "params"}
 _AIO = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism"}
@@ -49,6 +56,21 @@ _FP16_KEYS = {"loss_scale": ("static_scale", False), "initial_scale_power": ("in
               "min_loss_scale": ("min_scale", False)}
 # DeepSpeed's ADAM_W_MODE_DEFAULT: "Adam" means decoupled weight decay unless adam_w_mode is false.
 _ADAM_W_MODE_DEFAULT = True
+# Our field -> where its value sits in a DeepSpeed config (first path present wins), so that a
+# value Config refuses is reported under the DeepSpeed key, as the user wrote it: not as, say,
+# bucket_bytes = -20 for a reduce_bucket_size of -5 elements.
+_ORIGIN: dict[str, tuple[tuple[Any, ...], ...]] = {
+    "stage": (("zero_optimization", "stage"),),
+    "bucket_bytes": (("zero_optimization", "reduce_bucket_size"),),
+    **{f"stage3.{ours}": (("zero_optimization", ds),) for ds, ours in _STAGE3_KEYS.items()},
+    **{f"precision.{ours}": (("fp16", ds),) for ds, (ours, _) in _FP16_KEYS.items()},
+    **{f"optimizer.{k}": (("optimizer", "params", k),) for k in ("lr", "eps", "weight_decay")},
+    **{f"optimizer.betas[{i}]": (("optimizer", "params", "betas", i),) for i in (0, 1)},
+    "io.block_size": (("aio", "block_size"),),
+    "io.queue_depth": (("aio", "queue_depth"),),
+    "io.threads": (("aio", "thread_count"), ("aio", "intra_op_parallelism")),
+    "clip_grad_norm": (("gradient_clipping",),),
+}
 
 
 def _key(where: str, key: str) -> str:
@@ -195,14 +217,14 @@ def _optimizer(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"name": "adamw" if decoupled else "adam", **_adam_params(params)}
 
 
-def _stage3(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for ds_key, ours in (("stage3_max_live_parameters", "live_budget_bytes"),
-                         ("stage3_param_persistence_threshold", "resident_bytes"),
-                         ("stage3_prefetch_bucket_size", "unit_bytes")):
-        if ds_key in zero:
-            out[ours] = _number(zero[ds_key], f"zero_optimization.{ds_key}", integer=True) * dtype_bytes
-    return out
+def _stage3(zero: Mapping[str, Any], stage: int, dtype_bytes: int) -> dict[str, Any]:
+    """The stage3_* sizes, refused by name below stage 3 (where they would do nothing)."""
+    given = [k for k in _STAGE3_KEYS if k in zero]
+    if given and stage in (0, 1, 2):  # a stage out of range is the error to report, by Config
+        raise ConfigError(f"DeepSpeed key(s) {', '.join('zero_optimization.' + k for k in given)} apply only "
+                          f"to stage 3, but zero_optimization.stage is {stage}")
+    return {_STAGE3_KEYS[k]: _number(zero[k], f"zero_optimization.{k}", integer=True) * dtype_bytes
+            for k in given}
 
 
 def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
@@ -214,7 +236,7 @@ def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
                                       integer=True) * dtype_bytes
     if "overlap_comm" in zero:
         out["overlap_step"] = _flag(zero, "overlap_comm", "zero_optimization", True)
-    stage3 = _stage3(zero, dtype_bytes)
+    stage3 = _stage3(zero, out["stage"], dtype_bytes)
     if stage3:
         out["stage3"] = stage3
     return out
@@ -257,6 +279,9 @@ def _accumulation(data: Mapping[str, Any]) -> int | None:
     train_batch_size must divide as that says, else DeepSpeed refuses the config and so do we."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     total, micro, steps = (_number(data[k], k, integer=True) if k in data else None for k in keys)
+    for key, value in zip(keys[1:], (micro, steps)):  # checked whether or not train_batch_size is given
+        if value is not None and value < 1:
+            raise _bad(key, value, "an integer >= 1")
     if total is None:
         return steps
     if micro is None:
@@ -267,8 +292,6 @@ def _accumulation(data: Mapping[str, Any]) -> int | None:
 def _steps_without_micro(total: int, steps: int | None, world: int) -> int:
     """DeepSpeed's micro batch is then train_batch_size / (steps x world size), steps 1 when not
     given; a micro batch that is not a whole number >= 1 is refused."""
-    if steps is not None and steps < 1:
-        raise _bad("gradient_accumulation_steps", steps, "an integer >= 1")
     per_micro = (1 if steps is None else steps) * world
     if total < per_micro or total % per_micro:
         given = "" if steps is None else f"gradient_accumulation_steps {steps} x "
@@ -279,7 +302,7 @@ def _steps_without_micro(total: int, steps: int | None, world: int) -> int:
 
 def _steps_with_micro(total: int, micro: int, steps: int | None, world: int) -> int:
     """The steps train_batch_size / (micro x world size), which a given steps must equal."""
-    derived, rest = divmod(total, micro * world) if micro > 0 else (0, 1)
+    derived, rest = divmod(total, micro * world)
     if rest or derived < 1 or (steps is not None and steps != derived):
         given = "" if steps is None else f" x gradient_accumulation_steps {steps}"
         raise ConfigError(f"DeepSpeed train_batch_size = {total} is not train_micro_batch_size_per_gpu = {micro}"
@@ -298,18 +321,33 @@ def _training(data: Mapping[str, Any]) -> dict[str, Any]:
     aio = _section(data, "aio", "")
     _unknown("aio", aio, _AIO)
     io = {k2: _number(aio[k1], f"aio.{k1}", integer=True) for k1, k2 in (
-        ("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads"),
-        ("intra_op_parallelism", "threads")) if k1 in aio}
+        ("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads")) if k1 in aio}
+    if "intra_op_parallelism" in aio:
+        io["threads"] = _aio_threads(aio, io.get("threads"))
     if io:
         out["io"] = io
     return out
 
 
+def _aio_threads(aio: Mapping[str, Any], thread_count: int | None) -> int:
+    """intra_op_parallelism (DeepSpeed's newer name for thread_count) as our one io.threads;
+    both given with different values are refused, as one would be silently dropped."""
+    threads = _number(aio["intra_op_parallelism"], "aio.intra_op_parallelism", integer=True)
+    if thread_count is not None and thread_count != threads:
+        raise ConfigError(f"DeepSpeed aio.thread_count = {thread_count} and aio.intra_op_parallelism = {threads} "
+                          "differ: both set zero_offload's one io.threads; give one of them")
+    return threads
+
+
 def is_deepspeed(data: Mapping[str, Any]) -> bool:
     """Whether a config dict is DeepSpeed's: it has a top-level key only DeepSpeed has (DeepSpeed
-    needs no zero_optimization). Keys only we have besides are refused: read as either format,
-    the other's keys would be reported as unknown, which hides that the file mixes the two."""
-    theirs = sorted(str(k) for k in data if k in _DS_ONLY)
+    needs no zero_optimization), or it is a bare zero_optimization block, with a key only that
+    block has (offload_optimizer, ...; `stage` alone is ours too). Keys only we have besides are
+    refused: read as either format, the other's keys would be reported as unknown, which hides
+    that the file mixes the two."""
+    if data and all(k in _ZERO for k in data) and any(k in _ZERO_ONLY for k in data):
+        return True
+    theirs = sorted(str(k) for k in data if k in _DS_ONLY or k in _ZERO_ONLY)
     ours = sorted(str(k) for k in data if k in _OURS_ONLY)
     if theirs and ours:
         raise ConfigError(f"config mixes zero_offload keys ({', '.join(ours)}) with DeepSpeed keys "
@@ -346,4 +384,30 @@ def config_from_deepspeed(data: Mapping[str, Any]) -> Config:
                               "nvme_paths": _shared_nvme_paths(opt_paths, par_paths),
                               "optimizer": _optimizer(data), **_zero_scalars(zero, dtype_bytes),
                               **_pin_memory(zero, tiers), **_training(data)}
-    return Config(**kwargs)
+    try:
+        return Config(**kwargs)
+    except ConfigError as exc:
+        raise _as_deepspeeds(exc, data) from None
+
+
+def _as_deepspeeds(exc: ConfigError, data: Mapping[str, Any]) -> ConfigError:
+    """Config's error for a bad field value, restated under the DeepSpeed key the value came from
+    and as the user wrote it; any other error (a refused combination) as it is."""
+    for path in _ORIGIN.get(exc.field or "", ()):
+        found, value = _find(data, path)
+        if found:
+            key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+            return ConfigError(f"DeepSpeed key '{key}' = {value!r} is invalid: {exc.allowed}")
+    return exc
+
+
+def _find(data: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
+    """(True, the value) at a key path through dicts and lists, else (False, None)."""
+    for step in path:
+        if isinstance(step, int) and isinstance(data, (list, tuple)) and step < len(data):
+            data = data[step]
+        elif isinstance(step, str) and isinstance(data, Mapping) and step in data:
+            data = data[step]
+        else:
+            return False, None
+    return True, data

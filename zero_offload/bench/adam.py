@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from zero_offload.config import MAX_THREADS
 from zero_offload.optim import CPUAdamW, _native_adam, adam_step_flat
 
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
@@ -217,6 +218,8 @@ def _check_args(args: argparse.Namespace) -> None:
                              ("--threads", args.threads, 0)):
         if value < low:
             raise ValueError(f"bench-adam: {flag} {value}: must be >= {low}")
+    if args.threads > MAX_THREADS:  # torch.set_num_threads crashes the process on a huge count
+        raise ValueError(f"bench-adam: --threads {args.threads}: must be <= {MAX_THREADS}")
     if not math.isfinite(args.pause_ms) or args.pause_ms < 0:
         raise ValueError(f"bench-adam: --pause-ms {args.pause_ms}: must be a finite number >= 0")
 

@@ -106,6 +106,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if args.size < max(args.block_sizes):
         raise ValueError(f"--size {fmt_size(args.size)}: must hold one block of --block-sizes "
                          f"(the largest is {fmt_size(max(args.block_sizes))})")
+    if args.size % 4096:  # every pass is O_DIRECT, which refuses a transfer of part of a 4 KiB block
+        raise ValueError(f"--size {fmt_size(args.size)}: must be a multiple of 4096 bytes (O_DIRECT alignment)")
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: must be >= 1")
     _check_write_config(args.write_config)
@@ -188,14 +190,15 @@ def sweep(path: str, args: argparse.Namespace, backends: Sequence[str], progress
     return rows
 
 
-def best_setting(rows: list[dict], backend: str) -> dict:
-    """The setting whose write and read rates have the highest geometric mean."""
+def best_setting(rows: list[dict]) -> tuple[str, dict]:
+    """The backend and setting whose write and read rates have the highest geometric mean, over
+    every backend swept (the config snippet names that backend, so it must be the fastest one)."""
     by_setting: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        if r["backend"] == backend:
-            by_setting.setdefault((r["block_size"], r["queue_depth"], r["threads"]), {})[r["op"]] = r["gbps"]
-    key = max(by_setting, key=lambda k: (by_setting[k]["write"] * by_setting[k]["read"]) ** 0.5)
-    return {"block_size": key[0], "queue_depth": key[1], "threads": key[2]}
+        key = (r["backend"], r["block_size"], r["queue_depth"], r["threads"])
+        by_setting.setdefault(key, {})[r["op"]] = r["gbps"]
+    best = max(by_setting, key=lambda k: (by_setting[k]["write"] * by_setting[k]["read"]) ** 0.5)
+    return best[0], {"block_size": best[1], "queue_depth": best[2], "threads": best[3]}
 
 
 def compare(path: str, size: int, setting: dict, runners: Sequence[Any], rounds: int,
@@ -257,7 +260,10 @@ def config_snippet(setting: dict, backend: str) -> dict:
     return {"io": {**setting, "backend": backend, "direct": True}}
 
 
-def print_report(args: argparse.Namespace, rows: list[dict], setting: dict, summary: dict) -> None:
+def print_report(args: argparse.Namespace, result: dict) -> None:
+    """The sweep table, the comparison and the snippet: result["config"], the very one --json and
+    --write-config save, so the printed and the saved settings cannot disagree."""
+    rows, setting, summary = result["sweep"], result["best"], result["comparison"]
     print(f"zero-offload bench-io --path {args.path} --size {fmt_size(args.size)}  (sequential, O_DIRECT, GB/s = 1e9 B/s)")
     print(f"\n{'backend':<9} {'block':>6} {'qd':>3} {'thr':>3} {'write':>7} {'read':>7}")
     keyed: dict[tuple, dict] = {}
@@ -269,7 +275,7 @@ def print_report(args: argparse.Namespace, rows: list[dict], setting: dict, summ
           f"in flight, {args.rounds} interleaved rounds: median GB/s (min-max)")
     print_comparison(summary)
     print("\nbest settings (config snippet):")
-    print(json.dumps(config_snippet(setting, "native" if "native" in summary else "aiofiles"), indent=2))
+    print(json.dumps(result["config"], indent=2))
 
 
 def reference_runners(args: argparse.Namespace) -> list[Any]:
@@ -287,14 +293,14 @@ def run(args: argparse.Namespace, extra_runners: Callable[[argparse.Namespace], 
     try:
         with scratch_file(args.path, args.size) as path:
             rows = sweep(path, args, backends, progress)
-            setting = best_setting(rows, backends[0])
+            backend, setting = best_setting(rows)
             # the checksummed runner goes last: its read verifies what its own write left
-            runners = [OurRunner(k) for k in backends] + refs + [OurRunner(backends[0], checksums=True)]
+            runners = [OurRunner(k) for k in backends] + refs + [OurRunner(backend, checksums=True)]
             summary = summarize(compare(path, args.size, setting, runners, args.rounds, progress))
     finally:
         progress.close()
     return {"size": args.size, "sweep": rows, "best": setting, "comparison": summary,
-            "config": config_snippet(setting, backends[0])}
+            "config": config_snippet(setting, backend)}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -310,5 +316,5 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print_report(args, result["sweep"], result["best"], result["comparison"])
+        print_report(args, result)
     return 0

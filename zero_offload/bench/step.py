@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zero_offload.config import MAX_THREADS
+
 
 class _Block(nn.Module):
     def __init__(self, d: int) -> None:
@@ -351,6 +353,9 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value < 1:
             raise ValueError(f"bench-step: --{flag.replace('_', '-')} {value}: must be >= 1")
+    if args.threads > MAX_THREADS:  # torch.set_num_threads crashes the process on a huge count
+        raise ValueError(f"bench-step: --threads {args.threads}: must be <= {MAX_THREADS} (the config's "
+                         "optimizer.threads bound)")
     for flag in ("bucket_mib", "staging_mib"):
         value = getattr(args, flag)
         if not math.isfinite(value) or int(value * 2**20) < 1:  # the config takes whole bytes
