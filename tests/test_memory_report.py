@@ -47,9 +47,12 @@ def _rank(rank: int, world: int, nvme: bool) -> None:
             report = engine.memory_report(verbose=False)
             tag = f"D={world} stage={stage} tier={tier} rank={rank}"
             _check(report, tag, grads_counted=stage != 1)
-            if stage == 3:  # frozen_gain: 32 fp32 elements, padded to a multiple of 16 x D, sharded
-                padded = -(-32 // (16 * world)) * 16 * world
-                assert report["other"]["frozen parameters (stage 3; not in the ledger)"] == 4 * padded // world, tag
+            # frozen_gain, 32 fp32 elements: at stage 3 padded to a multiple of 16 x D and sharded;
+            # at stages 0-2 whole on every rank (a review: that row was missing there)
+            padded = -(-32 // (16 * world)) * 16 * world if stage == 3 else 32 * world
+            assert report["other"]["frozen parameters (not in the ledger)"] == 4 * padded // world, tag
+            assert ("live budget (stage 3)" in report["limits"]) == (stage == 3), tag
+            assert "live budget (stage 3)" not in report["other"], tag
             engine.step()
             _check(engine.memory_report(verbose=False), tag + " after step", grads_counted=False)
             engine.close()

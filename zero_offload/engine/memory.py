@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from zero_offload.partition import FlatLayout
 
 GROUPS = ("weights", "gradients", "optimizer")
+FROZEN_ROW = "frozen parameters (not in the ledger)"  # whole at stages 0-2, this rank's shards at stage 3
 TIERS = ("device", "cpu", "nvme")
 
 
@@ -72,7 +73,7 @@ def memory_report(engine: "Engine") -> dict[str, Any]:
         process["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(engine.device)
         process["cuda_memory_allocated"] = torch.cuda.memory_allocated(engine.device)
     report = {"params": rt.trainable_numel(), "world": comm.world_size(), "stage": cfg.stage,
-              "precision": cfg.precision.dtype, "rows": rows, "other": other, "process": process}
+              "precision": cfg.precision.dtype, "rows": rows, "other": other, "limits": rt.limits(), "process": process}
     report["table"] = _table(report)
     return report
 
@@ -86,5 +87,8 @@ def _table(r: dict[str, Any]) -> str:
                      f"{_mib(row['peak'])} {_mib(row['difference']):>14}")
     lines.append("not in the ledger:")
     lines += [f"  {name:60} {_mib(n)}" for name, n in r["other"].items()]
+    if r["limits"]:
+        lines.append("limits (configured, not held):")
+        lines += [f"  {name:60} {_mib(n)}" for name, n in r["limits"].items()]
     lines += [f"  process {name:52} {_mib(n)}" for name, n in r["process"].items()]
     return "\n".join(lines)

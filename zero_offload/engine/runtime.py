@@ -11,7 +11,7 @@ Runtime interface used by engine.py and checkpoint.py:
   shard_map() -> {key: [(param_name, param_offset, shard_offset, numel), ...]} for this rank
   frozen_map() / frozen_shapes(): the same for frozen state kept outside the module (stage 3 only)
   param_shapes() -> {param_name: shape}; replicated: bool; refresh_params() (compute copy from masters)
-  retained() -> {(group, tier): bytes}; extras() -> {name: bytes}; trainable_numel() -> int
+  retained() -> {(group, tier): bytes}; extras() -> {name: bytes}; limits() -> {name: bytes}; trainable_numel() -> int
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
-from zero_offload.engine.memory import grads_slot_rounding, padding
+from zero_offload.engine.memory import FROZEN_ROW, grads_slot_rounding, padding
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.step import hands_over_master
 from zero_offload.store import make_store
@@ -269,8 +269,13 @@ class BucketRuntime:
                "NVMe slot rounding (optimizer state)": so.slot_rounding_bytes(),
                "staging buffers": so.bytes_retained().get("staging", 0),
                "gradient bucket in flight (largest)": max(b.layout.padded_numel for b in self.buckets) * elem,
-               UPDATED_ROW: shard_elems * elem if copies else 0}
+               UPDATED_ROW: shard_elems * elem if copies else 0,
+               FROZEN_ROW: sum(p.numel() * p.element_size() for _, p in self.frozen)}
         return out
+
+    def limits(self) -> dict[str, int]:
+        """Configured bounds shown apart in the memory report: none at stages 0-2."""
+        return {}
 
     def close(self) -> None:
         if self.reducer is not None:

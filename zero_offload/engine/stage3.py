@@ -4,7 +4,7 @@ Stage3Runtime provides the runtime interface the Engine drives (the same as runt
     Stage3Runtime(model, config, device, *, init_fn=None, weights=None)
     begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
     shard_map() / frozen_map() / frozen_shapes() / param_shapes() / replicated / refresh_params()
-    retained() / extras()
+    retained() / extras() / limits()
     trainable_numel() / close()
 plus, for stage 3 only: read_frozen() / write_frozen() (frozen groups' shards, for checkpoints),
 consolidated_state_dict() (collective; full fp32 weights by name),
@@ -36,7 +36,7 @@ from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
 from zero_offload.engine.accumulate import Accumulator
-from zero_offload.engine.memory import grads_slot_rounding, padding
+from zero_offload.engine.memory import FROZEN_ROW, grads_slot_rounding, padding
 from zero_offload.engine.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
@@ -555,13 +555,16 @@ class Stage3Runtime:
 
     def extras(self) -> dict[str, float]:
         s = self.stats()
-        return {**self._padding(), "frozen parameters (stage 3; not in the ledger)": self._frozen_shard_bytes(),
+        return {**self._padding(), FROZEN_ROW: self._frozen_shard_bytes(),
                 "gathered units (peak, stage 3)": s["peak_gathered_bytes"],
-                "live budget (stage 3)": s["live_budget_bytes"],
                 "resident units (stage 3)": s["resident_bytes"],
                 "staging buffers (params)": self.staging.nbytes,
                 "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
                 "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes()}
+
+    def limits(self) -> dict[str, int]:
+        """Configured bounds (not memory held), shown apart in the memory report."""
+        return {"live budget (stage 3)": self.prefetcher.budget.limit}
 
     def stats(self) -> dict[str, int]:
         p = self.prefetcher
