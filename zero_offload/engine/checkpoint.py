@@ -39,13 +39,14 @@ path that is or holds the current directory. Multi-node saving needs `path` on a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -82,16 +83,46 @@ def _fsync_file(path: str) -> None:
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: str) -> dict[str, dict[str, Any]]:
-    torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
-    _fsync_file(path)
+    with _writing(path):
+        # Through our own file object: torch's writer then fails with the OS error (ENOSPC) as
+        # its context, instead of only "unexpected pos" when it writes to a path itself.
+        with open(path, "wb") as f:
+            torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
     return {k: _describe(v) for k, v in tensors.items()}
 
 
 def _write_json(obj: Any, path: str) -> None:
-    with open(path, "w") as f:
+    with _writing(path), open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """A failed write of `path` raises one line naming the file and the OS cause (a full disk
+    otherwise surfaces as torch's "unexpected pos" or an OSError without a file name)."""
+    try:
+        yield
+    except Exception as exc:
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        why = os.strerror(cause.errno) if cause.errno else str(cause)
+        raise CheckpointError(f"could not write {path}: {why}") from exc
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The first OSError in `exc`'s chain of causes and contexts, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _non_trainable(engine: "Engine") -> dict[str, torch.Tensor]:
@@ -116,9 +147,17 @@ def save(engine: "Engine", path: str) -> None:
     path = _checked_path(path)
     tmp, rank = path + ".tmp", comm.rank()
     _agree(_attempt(_check_target, path), "will not save there")
-    _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
-    _agree(_attempt(_write_rank, engine, tmp), "could not write its part of the checkpoint")
-    _agree(_attempt(_finish, engine, tmp, path) if rank == 0 else None, "could not finish the checkpoint")
+    try:
+        _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
+        _agree(_attempt(_write_rank, engine, tmp), "could not write its part of the checkpoint")
+        _agree(_attempt(_finish, engine, tmp, path) if rank == 0 else None, "could not finish the checkpoint")
+    except BaseException:
+        # Every rank has agreed on the failure (or this one was interrupted): the half-written
+        # save goes, so it neither fills the disk nor is mistaken for a checkpoint. The
+        # previous checkpoint is `path` or, if the swap failed half way, `path.old`.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _attempt(fn: Any, *args: Any) -> Exception | None:
@@ -220,7 +259,7 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
                 "maps": maps, "files": files,
                 "sizes": {name: os.path.getsize(os.path.join(tmp, name)) for name in files}}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
-    with open(os.path.join(tmp, "manifest.json"), "rb") as f:
+    with open(os.path.join(tmp, "manifest.json"), "rb") as f, _writing(os.path.join(tmp, manifest_checks.CRC_FILE)):
         manifest_checks.write_crc(tmp, f.read())
     _fsync_file(tmp)
     old = path + ".old"  # a checkpoint, or absent (_check_target): the new one supersedes it

@@ -213,6 +213,11 @@ class Engine:
                           "overlapped step had used the values set when backward began, the new ones apply from the "
                           "next step (set them before the forward, or use overlap_step=False)", stacklevel=3)
 
+    def _gathers_updates(self) -> bool:
+        """Stages 1-2 with D > 1: updated shards reach the compute copy only by the all-gathers
+        at the end of a whole step (an interrupt skips them; stage 3 streams each update)."""
+        return self.config.stage in (1, 2) and comm.world_size() > 1
+
     def _replicated_ranks(self) -> bool:
         return self.runtime.replicated and comm.world_size() > 1
 
@@ -245,6 +250,9 @@ class Engine:
                 self.stopped = f"a step failed ({exc}) after taking the gradient-accumulation cycle's partial sums"
             elif self._replicated_ranks() and not isinstance(exc, Exception):  # not agreed: no collective
                 self.stopped = f"a step was interrupted ({type(exc).__name__}); the stage-0 replicas may differ"
+            elif self._gathers_updates() and not isinstance(exc, Exception):
+                self.stopped = (f"a step was interrupted ({type(exc).__name__}) before the updated shards were "
+                                "all-gathered; the compute copy lags the master shards")
             elif self._replicated_ranks() and not comm.all_agree((sorted(so.steps.items()),
                                                                   sorted(so.sub_steps.items()))):
                 self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"

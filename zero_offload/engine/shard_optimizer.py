@@ -347,8 +347,10 @@ class ShardOptimizer:
         return dict(zip(PARTS, out.unbind(0)))
 
     def write_state(self, key: str, parts: dict[str, torch.Tensor]) -> None:
-        """Replace a shard's master, m and v (each 1-D, of the shard's size)."""
-        self.pipeline.quiesce()
+        """Replace a shard's master, m and v (each 1-D, of the shard's size). An earlier failed
+        write-back (of any shard) is not raised here: this is how the state is recovered after
+        one (a checkpoint load), and a shard not rewritten stays refused until it is."""
+        self.pipeline.quiesce(overwriting=True)
         n = self.numel[key]
         values = [parts[part].detach().reshape(-1) for part in PARTS]
         for part, value in zip(PARTS, values):

@@ -129,6 +129,7 @@ class Stage3Runtime:
                                                       capacity_bytes=(1 << 20)))  # NVMe files grow on demand
             self.phase = Phase.IDLE
             self.boundary = True
+            self._in_backward = False  # between begin_backward and end_backward (engine.backward)
             self._fresh: dict[str, torch.Tensor] = {}
             self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
             self._watches: list[hooks.InputWatch] = []
@@ -264,6 +265,7 @@ class Stage3Runtime:
             self._segment_start()
 
     def backward_enter(self, units: Sequence[Unit]) -> None:
+        self._require_engine_backward()
         self._segment_end()
         self.phase = Phase.BACKWARD
         for u in units:
@@ -289,7 +291,13 @@ class Stage3Runtime:
                     self._let_go(u)
         self._segment_start()
 
+    def _require_engine_backward(self) -> None:
+        if not self._in_backward:
+            raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), "
+                               "not loss.backward()")
+
     def param_grad(self, unit: Unit, param: torch.Tensor) -> None:
+        self._require_engine_backward()
         self._segment_end()
         if id(param) in self._reported_params:  # a unit is reduced once all its parameters reported once
             raise RuntimeError(_TWICE.format(unit=unit.name, what="got a second gradient"))
@@ -374,7 +382,20 @@ class Stage3Runtime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
+        """Checks first (nothing is reduced yet): which parameters train is fixed at initialize.
+        A stale .grad (held before initialize, or left by a refused loss.backward()) would be
+        summed into this backward's by autograd: dropped."""
+        for u in self.units:
+            for g in u.groups:
+                for name, p in zip(g.names, g.params):
+                    if p.requires_grad != g.trainable:
+                        raise RuntimeError(f"engine.backward: parameter '{name}' was "
+                                           f"{'unfrozen' if p.requires_grad else 'frozen'} (requires_grad="
+                                           f"{p.requires_grad}) after initialize; the trainable parameters are fixed "
+                                           "then: change it before initialize (or build a new engine)")
+                    p.grad = None
         self.boundary = boundary
+        self._in_backward = True
 
     def end_backward(self) -> None:
         """After loss.backward(): reduce every unit that did not finish, in unit order; end the pass."""
@@ -387,7 +408,7 @@ class Stage3Runtime:
         if leaked:
             raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
         self.prefetcher.end_pass()
-        self.phase = Phase.IDLE
+        self.phase, self._in_backward = Phase.IDLE, False
         if not self.boundary:  # no step follows: the shards the next pass reads are final already
             self.prefetcher.warm_start()
         self.boundary = True
@@ -409,7 +430,7 @@ class Stage3Runtime:
             self.prefetcher.release_all()
         finally:  # a read ahead that failed is reported, after the pass is reset all the same
             self._reset_pass()
-            self.phase, self.boundary = Phase.IDLE, True
+            self.phase, self.boundary, self._in_backward = Phase.IDLE, True, False
             self._abandon_step()
 
     def _abandon_step(self) -> None:
@@ -476,7 +497,7 @@ class Stage3Runtime:
         self.prefetcher.release_all()
         for key, (unit, g) in self.by_key.items():
             if g.trainable:
-                unit.write_shard(key, self.shard_optimizer.master(key))
+                unit.write_shard(key, self.shard_optimizer.master(key), replacing=True)  # supersedes a failed write
                 unit.settle_write(key)
         self._fresh = {}
         for u in self.units:
@@ -490,7 +511,7 @@ class Stage3Runtime:
         if g.trainable:
             raise KeyError(f"stage 3: {key!r} is trainable; its values come from the optimizer's master shard")
         self.prefetcher.release_all()  # no read ahead of the shard may run beside this write
-        unit.write_shard(key, values)
+        unit.write_shard(key, values, replacing=True)
         unit.settle_write(key)
 
     def read_frozen(self, key: str) -> torch.Tensor:

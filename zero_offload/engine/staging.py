@@ -73,16 +73,19 @@ class Region:
 
     def settle(self) -> None:
         """Wait for every transfer in flight, then re-raise the first error (a region is only
-        reused once nothing of it is in flight, failed or not)."""
-        pending = [(h, False) for h in self.reads] + [(h, True) for h in self.writes]
-        self.reads, self.writes = [], []
-        first: BaseException | None = None
-        for h, is_write in pending:
+        reused once nothing of it is in flight, failed or not). Only an error marks a write
+        failed: an interrupt (KeyboardInterrupt) leaves the transfers not yet waited for in the
+        region, still to settle, and is raised at once."""
+        first: Exception | None = None
+        while self.reads or self.writes:
+            is_write = not self.reads
+            handles = self.writes if is_write else self.reads
             try:
-                h.wait()
-            except BaseException as exc:
+                handles[0].wait()
+            except Exception as exc:
                 self.write_failed = self.write_failed or is_write
                 first = first or exc
+            del handles[0]  # waited for (an interrupt skips this: the handle stays to wait again)
         if first is not None:
             raise first
 
@@ -126,6 +129,9 @@ class StagingRing:
         self._stepped: set[str] = set()  # acquired since the plan was set: not pinned again
         self._busy = False  # the prefetch thread holds a region outside the lock
         self._error: BaseException | None = None  # fails the next acquire; flush() clears it
+        # Whether flush() raises _error: a failed write-back does, and so does an error an acquire
+        # raised (the step's); a failed read ahead that no step asked for is nobody's error.
+        self._error_counts = False
         self._stale: dict[str, str] = {}  # key -> why the drive's copy is older (until rewritten)
         self._dead: str | None = None  # the prefetch thread stopped: why
         self._closing = False
@@ -198,6 +204,7 @@ class StagingRing:
         if self._closing:
             raise RuntimeError(f"the staging ring is closed: shard {key!r} cannot be staged")
         if self._error is not None:
+            self._error_counts = True
             raise self._error
         if key in self._stale:
             raise RuntimeError(self._stale[key])
@@ -232,31 +239,46 @@ class StagingRing:
         read-ahead for a step that has not run, which benchmarks leave out of a step's traffic.
         After a failure a region may hold a half-updated shard: forgetting it keeps the next step
         reading the store's copy. A failed write-back stays reported (check(), acquire()) until
-        the shard is rewritten."""
+        the shard is rewritten. Raised (unless `after_error`): a failed write-back, or the error
+        an acquire raised; not a failed read ahead that no step used (the shard's next acquire
+        reads it again and reports its own error). An interrupt leaves the regions whose
+        transfers are still in flight in the ring, to be settled by whoever reuses them."""
         with self._cond:
             self._plan, self._demand, self._stepped, self._planned = deque(), None, set(), set()
             while self._busy:
                 self._cond.wait()
             regions, self._regions, self._index, self._head = self._regions, [], {}, 0
-            err, self._error = self._error, None
+            err = self._error if self._error_counts else None
+            self._error, self._error_counts = None, False
             # Until they settle, the forgotten regions' memory may still be written back from
             # or read into: a plan or demand meanwhile must not place a region over them.
             self._flushing += 1
+        settled = False
         try:
-            for r in regions:
-                try:
-                    r.settle()
-                except BaseException as exc:
-                    err = err or exc
+            err = _settle_all(regions, err)
+            settled = True
         finally:
             with self._cond:
                 for r in regions:
                     self._note_failure(r)
+                if not settled:
+                    self._keep_unsettled(regions)
                 self._flushing -= 1
                 self._cond.notify_all()
         if err is not None and not after_error:
             raise err
         return sum(12 * r.numel for r in regions if r.unused)
+
+    def _keep_unsettled(self, regions: list[Region]) -> None:
+        """Under the lock, after an interrupted flush: the regions with transfers still in flight
+        go back into the ring as CLEAN (the newest copy of their shard once settled), so their
+        memory is not placed over before they settle (an eviction or acquire settles them)."""
+        for r in regions:
+            if r.reads or r.writes:
+                if r.state is RegionState.PENDING:
+                    r.unpin()
+                self._regions.append(r)
+                self._index.setdefault(r.key, r)
 
     def close(self, *, after_error: bool = False) -> None:
         try:
@@ -293,7 +315,10 @@ class StagingRing:
             _settle_quietly(reads)  # nothing may land in the region once it is forgotten
             with self._cond:
                 self._forget(region)
-                self._error, self._busy = self._error or exc, False
+                if self._error is None:  # a victim's failed write-back is raised by flush()
+                    self._error = exc
+                    self._error_counts = any(v.write_failed for v in victims)
+                self._busy = False
                 self._cond.notify_all()
             return True
         with self._cond:
@@ -370,6 +395,18 @@ class StagingRing:
         self._regions.remove(region)
         if self._index.get(region.key) is region:
             del self._index[region.key]
+
+
+def _settle_all(regions: list[Region], err: BaseException | None) -> BaseException | None:
+    """Settle every region (all of them, even after one failed); the first of `err` and the
+    regions' failed write-backs. A failed read here is a read ahead no step used: not an error."""
+    for r in regions:
+        try:
+            r.settle()
+        except Exception as exc:
+            if r.write_failed:
+                err = err or exc
+    return err
 
 
 def _settle_quietly(handles: list[Handle]) -> None:

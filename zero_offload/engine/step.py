@@ -253,6 +253,7 @@ class StepPipeline:
         self._idle = threading.Condition()
         self._submitted = 0
         self._finished = 0
+        self._handed = 0  # jobs of `done` handed to drain's `each` so far
         self._worker: threading.Thread | None = None
         if kernel.host:
             self._worker = threading.Thread(target=self._loop, name="zero-offload-step", daemon=True)
@@ -281,10 +282,12 @@ class StepPipeline:
         if self._worker is not None and self._error is None:
             self.access.plan(self.planned())
 
-    def quiesce(self) -> None:
-        """Wait until the worker is idle and no transfer is in flight (before touching the store)."""
+    def quiesce(self, *, overwriting: bool = False) -> None:
+        """Wait until the worker is idle and no transfer is in flight (before touching the store).
+        `overwriting`: the caller rewrites the state (a checkpoint load), so an earlier failed
+        write-back is not raised here; it stays reported for each shard until rewritten."""
         self._wait_idle()
-        self.access.flush()
+        self.access.flush(after_error=overwriting)
 
     def drain(self, each: Callable[[Job], None] | None = None) -> list[Job]:
         """Wait for every submitted job; return them in completion order (and forget them).
@@ -311,33 +314,51 @@ class StepPipeline:
         timing: the worker steps in order and skips the jobs after a failed one. When `each`
         itself fails, the worker is stopped the same way (the jobs not yet begun keep their
         state and step count), every job it did step is still handed over (their state has
-        moved on: their step counts must follow), and the first error is raised."""
-        taken, failure = 0, None
-        while True:
-            with self._idle:
-                while taken == len(self.done) and self._finished < self._submitted and self._error is None:
-                    self._idle.wait()
-                batch = self.done[taken:]
-                last = self._finished >= self._submitted or self._error is not None
-            taken += len(batch)
-            failure = self._hand_over(batch, each, failure)
-            if last:
-                break
-        self._wait_idle()  # the job in flight when `each` failed
-        failure = self._hand_over(self.done[taken:], each, failure)
+        moved on: their step counts must follow), and the first error is raised. An interrupt
+        (Ctrl-C) while waiting is handled alike: the worker finishes the job it is stepping and
+        skips the rest, every job it stepped is handed over, then the interrupt is raised; the
+        state stays consistent and training may go on."""
+        self._handed, failure = 0, None
+        try:
+            while True:
+                with self._idle:
+                    while (self._handed == len(self.done) and self._finished < self._submitted
+                           and self._error is None):
+                        self._idle.wait()
+                    end = len(self.done)
+                    last = self._finished >= self._submitted or self._error is not None
+                failure = self._hand_over(end, each, failure)
+                if last:
+                    break
+        except BaseException as exc:  # an interrupt (Ctrl-C) while waiting: `each`'s own are caught
+            failure = failure or exc
+            self._stop(exc)
+        self._wait_idle()  # the job in flight when `each` failed or the wait was interrupted
+        failure = self._hand_over(len(self.done), each, failure)
         if failure is not None:
             raise failure
 
-    def _hand_over(self, jobs: list[Job], each: Callable[[Job], None] | None,
+    def _stop(self, exc: BaseException) -> None:
+        """The worker skips every job it has not begun (they keep their state and step count)."""
+        with self._idle:
+            self._error = self._error or exc
+
+    def _hand_over(self, end: int, each: Callable[[Job], None] | None,
                    failure: BaseException | None) -> BaseException | None:
-        for job in jobs if each is not None else ():
+        """Hand `done[_handed:end]` to `each`, counting each job as handed before `each` runs, so
+        that an interrupt between two jobs neither skips nor repeats one (one inside `each` is a
+        failed hand-over, like an error)."""
+        while self._handed < end:
+            job = self.done[self._handed]
+            self._handed += 1
+            if each is None:
+                continue
             try:
                 each(job)
             except BaseException as exc:
                 if failure is None:
                     failure = exc
-                    with self._idle:
-                        self._error = self._error or exc  # the worker skips what it has not begun
+                    self._stop(exc)
         return failure
 
     def close(self) -> None:

@@ -236,16 +236,18 @@ class Unit:
                 comm.all_gather_in_place_(g.flat)
 
     # ---- shards ----
-    def write_shard(self, key: str, values: torch.Tensor) -> None:
+    def write_shard(self, key: str, values: torch.Tensor, *, replacing: bool = False) -> None:
         """Start storing a new compute-copy shard of group `key` (initial weights or an optimizer
         update). It completes in the background: a fetch meanwhile copies `values` instead of
         reading the drive, read_shard and settle_writes wait for it, and an earlier write of the
-        same key is finished first so writes never reorder. `values` must not change until then."""
+        same key is finished first so writes never reorder. `values` must not change until then.
+        `replacing`: the shard is being rebuilt (a checkpoint load), so an earlier failed write
+        of it is waited for but not raised: this write supersedes it."""
         src = values.reshape(-1)
         if src.dtype != self.dtype:  # into a page-aligned host buffer: an nvme tier's direct path
             src = updated_buffer(src.numel(), self.dtype, src.device).copy_(src)
         with self._write_lock:
-            self._settle_locked(key)
+            self._settle_locked(key, quiet=replacing)
             self._writes[key] = (self.store.write(key, src), src)
 
     def _pending_write(self, key: str) -> torch.Tensor | None:
@@ -263,13 +265,21 @@ class Unit:
         with self._write_lock:
             self._settle_locked(key)
 
-    def _settle_locked(self, key: str) -> None:
+    def _settle_locked(self, key: str, *, quiet: bool = False) -> None:
+        """Finish `key`'s write; its error is raised unless `quiet`. It is forgotten only once it
+        has ended, failed or not: an interrupt leaves it in flight, to be settled again, so no
+        reader passes a write still running."""
         entry = self._writes.get(key)
-        if entry is not None:
-            try:
-                entry[0].wait()
-            finally:  # forgotten only once it has ended: no reader passes a write still in flight
-                del self._writes[key]
+        if entry is None:
+            return
+        try:
+            entry[0].wait()
+        except Exception:
+            del self._writes[key]
+            if not quiet:
+                raise
+            return
+        del self._writes[key]
 
     def settle_writes(self) -> None:
         """Finish every shard write in flight (re-raising the first failure)."""

@@ -57,15 +57,20 @@ class _NativeFuture(IOFuture):
         self._error: BaseException | None = None
 
     def wait(self) -> None:
+        """An interrupt (KeyboardInterrupt, raised between two Python calls here) leaves the
+        request either still owned (a later wait() finishes it) or already released: each
+        resource is detached from the future before it is freed, so none is freed twice."""
         with self._lock:
             if self._req is not None:
                 self._lib.zo_aio_wait(self._req)  # GIL released here by ctypes
-                self._error = self._collect()
-                self._lib.zo_aio_free(self._req)
-                self._req, self._keep = None, None
-                if self._owned_fd is not None:
-                    os.close(self._owned_fd)
-                    self._owned_fd = None
+                if self._error is None:
+                    self._error = self._collect()
+                req, self._req = self._req, None
+                self._lib.zo_aio_free(req)
+                self._keep = None  # the buffer is free once the request is done
+            if self._owned_fd is not None:
+                fd, self._owned_fd = self._owned_fd, None
+                os.close(fd)
         if self._error is not None:
             raise self._error
 

@@ -22,9 +22,17 @@ class Handle:
         self._result = result
 
     def wait(self) -> torch.Tensor | None:
-        if self._wait_fn is not None:
-            fn, self._wait_fn = self._wait_fn, None
-            fn()
+        """Finished once `wait_fn` returned or raised an error; an interrupt (KeyboardInterrupt)
+        leaves it pending, since the transfer may still be running into or out of its buffer:
+        a later wait() waits again instead of letting the caller reuse the buffer under it."""
+        fn = self._wait_fn
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                self._wait_fn = None
+                raise
+            self._wait_fn = None
         return self._result
 
 
