@@ -17,6 +17,7 @@ from torch import nn
 
 import zero_offload
 from _dist import run_ranks
+from _edit_reference import adamw_reference
 
 LR, WD = 1e-2, 0.01
 
@@ -49,14 +50,7 @@ def _config(params: str, opt: str, tmp_path: Path | str, stage: int = 3, **extra
 
 
 def _reference(steps: int, edit: Callable[[int, nn.Module], None]) -> dict[str, torch.Tensor]:
-    model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    for i in range(steps):
-        edit(i, model)
-        model(*_batch(i)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return adamw_reference(_net(), steps, edit, _batch, LR, WD)
 
 
 def _load_pretrained(i: int, m: nn.Module) -> None:

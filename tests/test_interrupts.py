@@ -201,12 +201,7 @@ def test_an_interrupted_wait_for_a_units_shard_write_keeps_it_in_flight(tmp_path
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Stage 3's compute-copy shard writes: an interrupted settle leaves the write in flight (a
     fetch meanwhile still copies its values from memory) and the next settle waits for it."""
-    cfg = Config(stage=3, tiers={"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
-                 nvme_paths=(str(tmp_path),), precision={"dtype": "fp32"})
-    store = make_store("nvme", "params", cfg, device=torch.device("cpu"), rank=0, capacity_bytes=1 << 20)
-    lin = nn.Linear(8, 8)
-    unit = Unit(0, "lin", [(n, p, p.shape) for n, p in lin.named_parameters()], dtype=torch.float32,
-                device=torch.device("cpu"), store=store, staging=StagingPool(store))
+    store, unit = _nvme_unit(tmp_path)
     key = unit.groups[0].key
     values = torch.arange(unit.groups[0].layout.shard_numel, dtype=torch.float32)
     state = _interrupt_first_main_thread_wait(store, monkeypatch)
@@ -321,12 +316,7 @@ def test_a_load_after_failed_shard_writes_succeeds_at_once_stage3(tmp_path: Path
 def test_a_replacing_write_supersedes_a_failed_one_and_a_plain_write_reports_it(tmp_path: Path) -> None:
     """Unit.write_shard(replacing=True) (a checkpoint load rebuilding the shard) waits for the
     earlier, failed write of its key without raising it; a plain write still raises it."""
-    cfg = Config(stage=3, tiers={"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
-                 nvme_paths=(str(tmp_path),), precision={"dtype": "fp32"})
-    store = make_store("nvme", "params", cfg, device=torch.device("cpu"), rank=0, capacity_bytes=1 << 20)
-    lin = nn.Linear(8, 8)
-    unit = Unit(0, "lin", [(n, p, p.shape) for n, p in lin.named_parameters()], dtype=torch.float32,
-                device=torch.device("cpu"), store=store, staging=StagingPool(store))
+    store, unit = _nvme_unit(tmp_path)
     key = unit.groups[0].key
     n = unit.groups[0].layout.shard_numel
 
@@ -419,3 +409,14 @@ def test_close_does_not_raise_a_read_ahead_nobody_used(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 1]))
     so.prefetch()  # reads ahead into the ring; one read fails its checksum
     eng.close()
+
+
+def _nvme_unit(tmp_path: Path) -> tuple[Any, Unit]:
+    """A stage-3 unit of one Linear over an nvme params store of its own."""
+    cfg = Config(stage=3, tiers={"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
+                 nvme_paths=(str(tmp_path),), precision={"dtype": "fp32"})
+    store = make_store("nvme", "params", cfg, device=torch.device("cpu"), rank=0, capacity_bytes=1 << 20)
+    lin = nn.Linear(8, 8)
+    unit = Unit(0, "lin", [(n, p, p.shape) for n, p in lin.named_parameters()], dtype=torch.float32,
+                device=torch.device("cpu"), store=store, staging=StagingPool(store))
+    return store, unit

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import zero_offload
+from _edit_reference import adamw_reference
 from zero_offload.engine.engine import EngineStateError
 
 LR, WD = 1e-2, 0.01
@@ -44,13 +45,7 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(model: nn.Module, steps: int, edit: Callable[[int, nn.Module], None]) -> dict[str, torch.Tensor]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    for i in range(steps):
-        edit(i, model)
-        model(*_batch(i)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return adamw_reference(model, steps, edit, _batch, LR, WD)
 
 
 def _engine_run(engine: zero_offload.engine.engine.Engine, steps: int,
