@@ -52,6 +52,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def gpt_init(module: nn.Module) -> None:
+    """GPT-2's embedding scale, N(0, 0.02): nn.Embedding's own N(0, 1) makes the tied head's
+    logits huge (a first loss of ~40 instead of ln(vocab)). Use as `model.apply(gpt_init)`, or as
+    `initialize(..., init_fn=gpt_init)` for a model built on the meta device."""
+    if isinstance(module, nn.Embedding):
+        with torch.no_grad():
+            module.weight.normal_(0.0, 0.02)
+
+
 def gpt_small() -> GPT:
     """The peer benchmark's model: 8 layers, d=512, seq 128, vocab 8192 (29.5M parameters)."""
     return GPT(vocab=8192, d_model=512, n_layer=8, n_head=8, seq=128)

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import GPT  # noqa: E402
+from models import GPT, gpt_init  # noqa: E402
 
 import zero_offload  # noqa: E402
 from zero_offload import trace  # noqa: E402
@@ -101,8 +101,7 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="zo-nvme-", dir=a.nvme_dir) as nvme_dir:
         model = GPT(vocab=256, d_model=a.width, n_layer=a.layers, n_head=a.heads, seq=a.seq)
-        with torch.no_grad():  # GPT-2's embedding scale; nn.Embedding's N(0, 1) makes the tied head's logits huge
-            model.tok.weight.normal_(0.0, 0.02)
+        model.apply(gpt_init)
         n_params = sum(p.numel() for p in model.parameters())
         engine = zero_offload.initialize(model, config(a, nvme_dir), param_groups=groups(model))
         print(f"GPT: {a.layers} layers, width {a.width}, seq {a.seq}: P = {n_params / 1e6:.2f} M; "

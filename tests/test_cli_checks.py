@@ -124,3 +124,22 @@ def test_closed_stdout_exits_quietly() -> None:
     finally:
         os.close(write_end)
     assert proc.stderr == "" and proc.returncode == 1, (proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("text,count", [("12", 12), ("350k", 350_000), ("1.5M", 1_500_000), ("7B", 7 * 10**9),
+                                        ("100_000", 100_000), ("2t", 2 * 10**12)])
+def test_parameter_counts_take_the_usual_suffixes(text: str, count: int) -> None:
+    """`estimate --params 7B` and `bench-adam --params 1M` were refused as 'invalid int value'."""
+    from zero_offload.cli import parse_count
+
+    assert parse_count(text) == count
+
+
+@pytest.mark.parametrize("text", ["7X", "1.2345k", "", "-3", "1e9"])
+def test_a_bad_parameter_count_is_one_line(text: str) -> None:
+    import argparse
+
+    from zero_offload.cli import parse_count
+
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a (count|whole number)"):
+        parse_count(text)

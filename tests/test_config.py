@@ -158,3 +158,13 @@ def test_config_check_cli(tmp_path: Path) -> None:
         out = _check(path)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_dict_or_a_string_where_keywords_and_sections_go_is_explained() -> None:
+    """Config({'stage': 3}) said "config field 'stage' = {...} is invalid: expected int", and
+    Config(precision='bf16') did not say what a section takes (a review)."""
+    with pytest.raises(ConfigError, match=r"Config takes its fields as keywords .* use Config.from_dict\(d\)"):
+        Config({"stage": 3})
+    with pytest.raises(ConfigError, match=r"'precision' = 'bf16' is invalid: expected a PrecisionConfig or a dict, "
+                                          r"e.g. precision=\{'dtype': ...\}"):
+        Config(precision="bf16")

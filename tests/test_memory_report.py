@@ -13,6 +13,7 @@ from __future__ import annotations
 import tempfile
 
 import pytest
+import torch
 
 from _dist import run_ranks
 
@@ -61,3 +62,29 @@ def _rank(rank: int, world: int, nvme: bool) -> None:
 @pytest.mark.parametrize("world, nvme", [(1, True), (3, False)])
 def test_named_rows_account_for_retained_minus_ideal(world: int, nvme: bool) -> None:
     run_ranks(_rank, world, timeout=180, nvme=nvme)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_table_puts_each_figure_under_its_own_heading(stage: int) -> None:
+    """The process RSS was printed under 'limits (configured, not held)' at stage 3, and a
+    gradients row below its ideal had no word of why (a review)."""
+    import zero_offload
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
+    engine = zero_offload.initialize(model, dict(stage=stage, tiers=tiers))
+    engine.backward(engine(torch.randn(4, 64)).sum())
+    engine.step()
+    report = engine.memory_report(verbose=False)
+    engine.close()
+    sections: dict[str, list[str]] = {}
+    heading = "rows"
+    for line in report["table"].splitlines()[2:]:
+        if not line.startswith("  "):
+            heading = line
+        else:
+            sections.setdefault(heading, []).append(line.split()[0])
+    assert sections["process (measured):"] == ["rss"]
+    assert sections.get("limits (configured, not held):", []) == (["live"] if stage == 3 else [])
+    assert len(report["notes"]) == 1 and "consumes each grad shard as it arrives" in report["notes"][0]
+    assert ("stage 1 keeps only this rank's grad shard" in report["notes"][0]) == (stage == 1)

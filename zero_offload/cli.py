@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 from typing import Any, Callable, Iterator, Sequence
@@ -76,6 +77,21 @@ def _one_line(exc: BaseException) -> str:
     """An exception as '<Type>: <first line>', for the CLI's one-line errors."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """A parameter count as people write it: '7B', '1.5M', '350k', '100_000', '12' (decimal units,
+    as model sizes are quoted)."""
+    m = re.fullmatch(r"\s*(\d[\d_]*(?:\.\d+)?)\s*([a-zA-Z]?)\s*", text)
+    if not m or m.group(2).lower() not in _COUNT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (examples: 12, 350k, 1.5M, 7B)")
+    value = float(m.group(1).replace("_", "")) * _COUNT_SUFFIXES[m.group(2).lower()]
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters")
+    return int(value)
 
 
 _USER_MODULE = "_zo_user_model"  # the name a --model FILE.py is imported under
@@ -271,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("estimate", help="ideal bytes per GPU, host RAM and NVMe before training")
-    p.add_argument("--params", type=int, help="number of trainable parameters P")
+    p.add_argument("--params", type=parse_count, help="number of trainable parameters P (12, 350k, 1.5M, 7B)")
     p.add_argument("--model", help="MODULE:CALLABLE building the model (run on the meta device)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks D")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one machine (default D)")

@@ -213,12 +213,16 @@ class Config:
     overlap_step: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.stage, Mapping):  # Config({...}): the whole dict landed in the first field
+            raise ConfigError("Config takes its fields as keywords (Config(stage=3, ...)); for a dict use "
+                              "Config.from_dict(d), or pass the dict to zero_offload.initialize")
         for name, cls in _SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, _build(cls, value, name))
             elif not isinstance(value, cls):
-                _fail(name, value, f"expected a {cls.__name__} or a dict")
+                example = f"{name}={{'{fields(cls)[0].name}': ...}}"
+                _fail(name, value, f"expected a {cls.__name__} or a dict, e.g. {example}")
         _check_int("stage", self.stage, 0, 3)
         self._normalize_paths()
         _check_type("pin_memory", self.pin_memory, bool)

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from zero_offload.cli import parse_count
 from zero_offload.config import MAX_THREADS
 from zero_offload.optim import CPUAdamW, _native_adam, adam_step_flat
 
@@ -47,7 +48,7 @@ TARGETS = {  # the issue's "done when", checked against this run's own figures
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench-adam options."""
-    parser.add_argument("--params", type=int, default=100_000_000, help="elements per case (default 100M)")
+    parser.add_argument("--params", type=parse_count, default=100_000_000, help="elements per case (default 100M)")
     parser.add_argument("--threads", type=int, default=0, help="threads for ours and torch (0: every core we may use)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--pause-ms", type=float, default=50.0,

@@ -74,6 +74,7 @@ def memory_report(engine: "Engine") -> dict[str, Any]:
         process["cuda_memory_allocated"] = torch.cuda.memory_allocated(engine.device)
     report = {"params": rt.trainable_numel(), "world": comm.world_size(), "stage": cfg.stage,
               "precision": cfg.precision.dtype, "rows": rows, "other": other, "limits": rt.limits(), "process": process}
+    report["notes"] = _notes(rows, cfg.stage, rt.shard_optimizer.eager)
     report["table"] = _table(report)
     return report
 
@@ -85,10 +86,26 @@ def _table(r: dict[str, Any]) -> str:
     for row in r["rows"]:
         lines.append(f"{row['group']:10} {row['tier']:7} {_mib(row['ideal'])} {_mib(row['retained'])} "
                      f"{_mib(row['peak'])} {_mib(row['difference']):>14}")
+    lines += [f"  note: {note}" for note in r["notes"]]
     lines.append("not in the ledger:")
     lines += [f"  {name:60} {_mib(n)}" for name, n in r["other"].items()]
+    lines.append("process (measured):")
+    lines += [f"  {name:60} {_mib(n)}" for name, n in r["process"].items()]
     if r["limits"]:
         lines.append("limits (configured, not held):")
         lines += [f"  {name:60} {_mib(n)}" for name, n in r["limits"].items()]
-    lines += [f"  process {name:52} {_mib(n)}" for name, n in r["process"].items()]
     return "\n".join(lines)
+
+
+def _notes(rows: list[dict[str, Any]], stage: int, eager: bool) -> list[str]:
+    """Why a group holds less than the ledger says, where that is by design."""
+    grads = [r for r in rows if r["group"] == "gradients"]
+    if not grads or sum(r["retained"] for r in grads) >= sum(r["ideal"] for r in grads):
+        return []
+    why = []
+    if stage == 1:
+        why.append("stage 1 keeps only this rank's grad shard (the ledger counts every gradient)")
+    if eager:
+        why.append("the overlapped step consumes each grad shard as it arrives (no clipping, fp16 or "
+                   "accumulation), so none is held between steps")
+    return [f"gradients below ideal: {'; '.join(why)}"] if why else []
