@@ -4,21 +4,25 @@
 1. Stages 0-2 x optimizer tier (device, cpu, nvme) x fp32/bf16: 20 steps of the tests' TinyLM on
    the GPU against the single-process reference on the same GPU (same tolerances as the CPU tests),
    one stage-2 row with gradient_accumulation_steps=2, two rows with parameter groups (device and
-   cpu tiers), and fp16 with one poisoned step that must be skipped.
+   cpu tiers), two with a host optimizer, grads on the device and a deferred step (its held grad
+   shards) whose weights are reloaded at step 3 (edits taken into the master), and fp16 with one
+   poisoned step that must be skipped.
 2. Stage 3 on a tiny model defined here (tied embedding/head, a frozen parameter, a block called
    twice, a checkpointed block; one unit per block): every allowed params tier x optimizer tier
    pair of device/cpu/nvme in fp32 (losses and weights within 1e-5 relative), three bf16 rows (the
    stages 0-2 bf16 tolerance: losses 3e-3 relative, every element 5 x lr absolute, see
    tests/test_engine_matrix.py), one row with gradient_accumulation_steps=2 and one with
-   stage3.resident_bytes keeping the root unit resident. These run the updated shards written to
+   stage3.resident_bytes keeping the root unit resident, and one that rewrites every unit with
+   engine.gathered(modify=True) at step 3. These run the updated shards written to
    the params tier from the step worker (Unit write/settle); each row also checks that the peak
    gathered bytes stayed within the live budget.
 3. Overlap: a residual MLP stack on the GPU with the optimizer on pinned CPU (and on nvme): fwd+bwd
    alone, CPU Adam alone, the overlapped step and the serial step (overlap_step off), measured
    round-robin in one run. The overlapped step should be close to max(fwd+bwd, adam).
 
-Every row runs even after one fails (device time is scarce). Exit status 0 when every row passed,
-1 otherwise, 2 when it cannot run. Run: python scripts/gpu_check.py [--nvme DIR]
+Every row runs even after one fails (device time is scarce), unless a CUDA error poisoned the
+device: then the rest are listed as not run. Exit status 0 when every row passed, 1 otherwise, 2
+when it cannot run (no CUDA, or the native library not built: `make native`). Run: python scripts/gpu_check.py [--nvme DIR]
 CI: python scripts/gpu_check.py --cpu-dry-run runs the same rows on the CPU (CUDA hidden)
 and the overlap code once at a tiny size without timing, so the script cannot rot unnoticed.
 """
@@ -33,7 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 if "--cpu-dry-run" in sys.argv[1:]:
     # Before torch first looks for CUDA: the engine computes on CUDA whenever it sees a GPU.
@@ -77,16 +81,27 @@ def _fail_line(tag: str, exc: BaseException) -> str:
     return text if text.startswith(tag) else f"{tag}: {text}"
 
 
+def _poisons_the_device(exc: BaseException) -> bool:
+    """A CUDA error (an illegal access, a device-side assert) leaves the context unusable: every
+    later row would fail the same way and hide which one broke it."""
+    return "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError"
+
+
 def run_rows(rows: list[tuple[str, Check]]) -> list[str]:
-    """Run every row, printing ok/FAIL as it goes: one broken row must not hide the others."""
+    """Run every row, printing ok/FAIL as it goes: one broken row must not hide the others
+    (except after a CUDA error, which ends the run: the rows left are listed as not run)."""
     failures = []
-    for tag, check in rows:
+    for i, (tag, check) in enumerate(rows):
         t0 = time.perf_counter()
         try:
             check()
         except Exception as exc:  # noqa: BLE001 - any crash is this row's failure
             failures.append(_fail_line(tag, exc))
             print(f"FAIL  {failures[-1]}", flush=True)
+            if _poisons_the_device(exc):
+                failures += [f"{t}: not run (a CUDA error in an earlier row)" for t, _ in rows[i + 1:]]
+                print(f"STOP  a CUDA error: {len(rows) - i - 1} row(s) not run", flush=True)
+                break
         else:
             print(f"ok    {tag}  ({time.perf_counter() - t0:.1f} s)", flush=True)
     return failures
@@ -97,11 +112,16 @@ def nvme_paths(run: Run, *tiers: str) -> list[str]:
 
 
 def train(engine: zero_offload.engine.engine.Engine, batches: Batches, run: Run,
-          micro: int) -> tuple[list[float], list[bool]]:
+          micro: int, edit: Callable[[zero_offload.engine.engine.Engine], None] | None = None
+          ) -> tuple[list[float], list[bool]]:
     """`run.steps` optimizer steps, each over `micro` equal micro-batches of the step's batch;
-    returns the per-step mean losses (comparable with the reference's) and engine.step()'s results."""
+    returns the per-step mean losses (comparable with the reference's) and engine.step()'s results.
+    `edit(engine)` runs before step 3 (an edit that keeps the values: it runs the code path that
+    takes edited weights into the master, on the device)."""
     losses, applied = [], []
     for step in range(run.steps):
+        if edit is not None and step == 3:
+            edit(engine)
         x, y = batches(step)
         total = 0.0
         for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
@@ -127,13 +147,28 @@ def tinylm_reference(steps: int, precision: str, device: str) -> tuple[list[floa
     return reference_run(steps, ROWS, DTYPES[precision], lr=LR, wd=WD, device=device)
 
 
-def stage012_row(tag: str, run: Run, stage: int, tier: str, precision: str, micro: int = 1) -> None:
+def _reload_own_weights(engine: zero_offload.engine.engine.Engine) -> None:
+    """Stages 0-2: the module's own values loaded back (versions bumped, values kept)."""
+    engine.module.load_state_dict(engine.module.state_dict())
+
+
+def _rewrite_gathered(engine: zero_offload.engine.engine.Engine) -> None:
+    """Stage 3: every unit gathered and written back unchanged (engine.gathered(modify=True))."""
+    with engine.gathered(modify=True):
+        pass
+
+
+def stage012_row(tag: str, run: Run, stage: int, tier: str, precision: str, micro: int = 1,
+                 grads: str | None = None, **extra: Any) -> None:
+    """`grads` another grads tier than the optimizer's; `extra` more config (clip_grad_norm=1e9
+    defers the step without clipping anything, so the reference still holds)."""
     cfg = dict(stage=stage, precision={"dtype": precision}, bucket_bytes=6000, pinned_budget_bytes=100_000,
-               tiers={"optimizer": tier, "grads": tier}, optimizer={"lr": LR, "weight_decay": WD},
-               gradient_accumulation_steps=micro, nvme_paths=nvme_paths(run, tier))
+               tiers={"optimizer": tier, "grads": grads or tier}, optimizer={"lr": LR, "weight_decay": WD},
+               gradient_accumulation_steps=micro, nvme_paths=nvme_paths(run, tier, grads or tier), **extra)
     engine = zero_offload.initialize(make_model(), cfg)
     try:
-        losses, applied = train(engine, lambda step: batch(step, ROWS), run, micro)
+        edit = _reload_own_weights if grads is not None else None
+        losses, applied = train(engine, lambda step: batch(step, ROWS), run, micro, edit)
         weights = engine.consolidated_state_dict()
     finally:
         engine.close()
@@ -205,6 +240,10 @@ def stage012_rows(run: Run) -> list[tuple[str, Check]]:
                 rows.append((tag, functools.partial(stage012_row, tag, run, stage, tier, precision)))
     tag = f"{run.device} stage=2 tier=cpu fp32 gradient_accumulation_steps=2"
     rows.append((tag, functools.partial(stage012_row, tag, run, 2, "cpu", "fp32", 2)))
+    for tier in ("cpu", "nvme"):  # held grad shards of a host optimizer with grads on the device; an edit
+        tag = f"{run.device} stage=2 optimizer={tier} grads=device fp32 deferred step, weights reloaded at step 3"
+        rows.append((tag, functools.partial(stage012_row, tag, run, 2, tier, "fp32", grads="device",
+                                            clip_grad_norm=1e9)))
     for tier in ("device", "cpu"):
         tag = f"{run.device} stage=1 tier={tier} fp32 two parameter groups"
         rows.append((tag, functools.partial(param_groups_row, tag, run, 1, tier)))
@@ -289,11 +328,12 @@ def s3_config(run: Run, params: str, opt: str, precision: str, micro: int, resid
                 pinned_budget_bytes=100_000, nvme_paths=nvme_paths(run, params, opt))
 
 
-def stage3_row(tag: str, run: Run, params: str, opt: str, precision: str, micro: int = 1, resident: int = 0) -> None:
+def stage3_row(tag: str, run: Run, params: str, opt: str, precision: str, micro: int = 1, resident: int = 0,
+               gathered: bool = False) -> None:
     cfg = s3_config(run, params, opt, precision, micro, resident)
     engine = zero_offload.initialize(s3_model(DTYPES[precision]), cfg)
     try:
-        losses, applied = train(engine, s3_batch, run, micro)
+        losses, applied = train(engine, s3_batch, run, micro, _rewrite_gathered if gathered else None)
         weights = engine.consolidated_state_dict()
         stats, units = engine.runtime.stats(), sum(u.nbytes for u in engine.runtime.units)
     finally:
@@ -321,6 +361,9 @@ def stage3_rows(run: Run) -> list[tuple[str, Check]]:
     rows.append((tag, functools.partial(stage3_row, tag, run, "cpu", "cpu", "fp32", micro=2)))
     tag = f"{run.device} stage=3 params=nvme optimizer=cpu fp32 resident_bytes={S3_RESIDENT}"
     rows.append((tag, functools.partial(stage3_row, tag, run, "nvme", "cpu", "fp32", resident=S3_RESIDENT)))
+    tag = f"{run.device} stage=3 params=cpu optimizer=cpu fp32 engine.gathered(modify=True) at step 3"
+    rows.append((tag, functools.partial(stage3_row, tag, run, "cpu", "cpu", "fp32", gathered=True,
+                                        resident=S3_RESIDENT)))
     return rows
 
 
@@ -421,7 +464,8 @@ def _report_overlap(med: dict[str, float], params: int, tokens: int, rounds: int
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvme", default=None, help="directory for the nvme tier (default: a temp dir)")
-    parser.add_argument("--d-model", type=int, default=4096)
+    parser.add_argument("--d-model", type=int, default=2048,
+                        help="overlap benchmark width (default 2048: ~270M parameters, inside the 5 minutes)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per equivalence row (default 20)")
@@ -439,6 +483,21 @@ def all_rows(run: Run, args: argparse.Namespace) -> list[tuple[str, Check]]:
     return stage012_rows(run) + stage3_rows(run) + [(f"{run.device} overlap benchmark", bench)]
 
 
+def _native_loaded() -> bool:
+    """Without the native library the CPU Adam and the I/O fall back to torch and Python: the
+    rows would pass and the overlap figures would mean nothing. Build it first (make native)."""
+    from zero_offload import native
+
+    info = native.info()
+    adam = info.get("cpu_adam", {})
+    print(f"native: loaded={info['loaded']} path={info['path']} cpu adam isa={adam.get('isa')} "
+          f"aio={info.get('aio', {}).get('auto_backend')}", flush=True)
+    if not info["loaded"]:
+        print(f"gpu_check: the native library did not load ({info['error']}); run `make native` first",
+              file=sys.stderr)
+    return bool(info["loaded"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_dry_run and torch.cuda.is_available():
@@ -451,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_dry_run:
         print("gpu_check --cpu-dry-run: equivalence rows on the CPU; SKIPPED: CUDA synchronize timing, the "
               "overlap ratios (the benchmark runs once at d=64 as a smoke test) and pinned host memory")
+    if not _native_loaded():
+        return 2
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=args.nvme) as nvme:
         run = Run("cpu" if args.cpu_dry_run else "cuda", nvme, args.steps)

@@ -35,7 +35,9 @@ def test_cpu_dry_run_passes_every_row_and_names_the_stage3_rows() -> None:
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "SKIPPED: CUDA synchronize timing" in out
-    for row in [*STAGE3_ROWS, "fp16 overflow skips exactly one step, in a one-rank gloo group"]:
+    for row in [*STAGE3_ROWS, "fp16 overflow skips exactly one step, in a one-rank gloo group",
+                "stage=2 optimizer=nvme grads=device fp32 deferred step, weights reloaded at step 3",
+                "stage=3 params=cpu optimizer=cpu fp32 engine.gathered(modify=True) at step 3"]:
         assert any(line.startswith("ok    cpu " + row) for line in out.splitlines()), f"no passing row '{row}':\n{out}"
     assert "gpu_check: 0 failure(s)" in out
 
@@ -56,6 +58,20 @@ def test_a_wrong_reference_fails_its_row_and_a_crash_does_not_stop_the_others(mo
         failures = gc.run_rows([("crash", crash), (tag, row)])
     assert failures[0] == "crash: RuntimeError: boom"
     assert len(failures) == 2 and failures[1].startswith(f"{tag}: loss rel err"), failures
+
+
+def test_a_cuda_error_ends_the_run_and_names_the_rows_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an illegal access every later row would fail alike, hiding which row broke it."""
+    gc = _load_script(monkeypatch)
+    ran = []
+
+    def poisoned() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    failures = gc.run_rows([("first", lambda: ran.append(1)), ("bad", poisoned), ("later", lambda: ran.append(3))])
+    assert ran == [1]
+    assert failures == ["bad: RuntimeError: CUDA error: an illegal memory access was encountered",
+                        "later: not run (a CUDA error in an earlier row)"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="in-process --cpu-dry-run needs CUDA hidden before torch starts")

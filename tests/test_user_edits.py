@@ -230,3 +230,20 @@ def test_a_closed_engine_says_so(tmp_path: Path) -> None:
                  lambda: engine.save_checkpoint(str(tmp_path / "ck"))):
         with pytest.raises(EngineStateError, match=r"engine\.\w+: the engine was closed"):
             call()
+
+
+def test_the_optimizer_state_is_not_saved_through_engine_optimizer(tmp_path: Path) -> None:
+    """engine.optimizer.state_dict() returned {'state': {}, ...}: a loop saving it the torch way
+    kept nothing of the master or the moments (a review)."""
+    engine = zero_offload.initialize(_net(), _config(1, "cpu", tmp_path))
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    sched.step()  # schedulers still drive the hyperparameters
+    assert engine.optimizer.param_groups[0]["lr"] == LR / 2
+    assert sched.state_dict()["last_epoch"] == 1
+    with pytest.raises(RuntimeError, match=r"saved by engine.save_checkpoint\(dir\)"):
+        engine.optimizer.state_dict()
+    with pytest.raises(RuntimeError, match=r"restored by engine.load_checkpoint\(dir\)"):
+        engine.optimizer.load_state_dict({})
+    engine.close()

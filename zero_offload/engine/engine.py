@@ -62,12 +62,21 @@ class PhaseMachine:
 
 
 def _device_for(model: torch.nn.Module) -> torch.device:
-    """The compute device: CUDA (LOCAL_RANK's GPU) when present, else the CPU."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    """The compute device: CUDA when present, else the CPU. The GPU is LOCAL_RANK's under
+    torchrun; without LOCAL_RANK (mpirun, SLURM, a group made by hand) the one the process chose
+    with torch.cuda.set_device; with one visible GPU per process (CUDA_VISIBLE_DEVICES set per
+    rank), that one whatever LOCAL_RANK says. Peak statistics start here, so the memory report's
+    CUDA peak is this engine's, not an earlier one's in the same process."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    index = torch.cuda.current_device() if local is None else int(local)
+    if torch.cuda.device_count() == 1:
+        index = 0
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return device
 
 
 class Engine:

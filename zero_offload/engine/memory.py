@@ -48,6 +48,16 @@ def grads_slot_rounding(stores_bytes: int, held_bytes: int, addressable: bool) -
     return 0 if addressable else stores_bytes - held_bytes
 
 
+def grads_by_tier(stores: list[Any]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(held, peak) of the gradient stores under each one's own tier: with CUDA, a host
+    optimizer keeps the grad shards it waits for in host memory whatever tiers.grads says."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for s in stores:
+        held, peak = out.get(("gradients", s.tier), (0, 0))
+        out[("gradients", s.tier)] = (held + s.bytes_retained(), peak + s.peak_bytes())
+    return out
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:10.3f}"
 

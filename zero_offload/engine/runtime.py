@@ -21,7 +21,7 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
-from zero_offload.engine.memory import FROZEN_ROW, grads_slot_rounding, padding
+from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.step import hands_over_master
 from zero_offload.store import make_store
@@ -249,8 +249,7 @@ class BucketRuntime:
         grads = [so.grad_store, self.accumulator.store]
         return {("weights", self.config.tiers.params): (weights, weights),
                 ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
-                ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
-                                                         sum(s.peak_bytes() for s in grads))}
+                **grads_by_tier(grads)}
 
     def extras(self) -> dict[str, int]:
         """Bytes outside the ledger's groups, named (see memory.py)."""

@@ -53,6 +53,17 @@ class HyperParams(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # noqa: ARG002
         return None
 
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: torch's answer here would hold no state at all ({'state': {}}), and a loop that
+        saves it would lose the master and moments without a word."""
+        raise RuntimeError("engine.optimizer.state_dict(): engine.optimizer holds the hyperparameters only; the "
+                           "optimizer state (master shards, moments, step counts) is saved by "
+                           "engine.save_checkpoint(dir)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: ARG002
+        raise RuntimeError("engine.optimizer.load_state_dict(): the optimizer state is restored by "
+                           "engine.load_checkpoint(dir)")
+
 
 class ShardOptimizer:
     """Owns this rank's optimizer state (fp32 master shard + m + v) per key, on the optimizer tier, and steps it."""
@@ -76,9 +87,14 @@ class ShardOptimizer:
         cap = capacity_bytes or (1 << 30)
         self.store = make_store(config.tiers.optimizer, "optimizer", config, device=self.device, rank=rank,
                                 capacity_bytes=cap)
-        self.grad_store = make_store(config.tiers.grads, "gradients", config, device=self.device, rank=rank,
-                                     capacity_bytes=cap)
         kernel = DeviceAdam() if config.tiers.optimizer == "device" else HostAdam(config.optimizer.threads)
+        # The grad shards a deferred step holds: a host kernel has them in host memory already (see
+        # _to_kernel), so a device grads tier would upload each again and hand the CPU Adam a
+        # device tensor; they stay on the host (the memory report counts them there).
+        held_tier = "cpu" if kernel.host and config.tiers.grads == "device" and self.device.type != "cpu" \
+            else config.tiers.grads
+        self.grad_store = make_store(held_tier, "gradients", config, device=self.device, rank=rank,
+                                     capacity_bytes=cap)
         self.kernel_device = self.device if not kernel.host else torch.device("cpu")
         self.access = StateAccess(self.store, config.pinned_budget_bytes)
         # Only a host kernel streams: its callback runs on the worker. A device kernel runs inline
@@ -357,8 +373,8 @@ class ShardOptimizer:
             if value.numel() != n:
                 raise ValueError(f"ShardOptimizer.write_state({key!r}): {part} has {value.numel()} elements, "
                                  f"the shard has {n}")
-        for p in self.subshards[key]:
-            state = torch.cat([v[p.lo:p.hi].to(torch.float32) for v in values])
+        for p in self.subshards[key]:  # on the host: parts may come from any device (a master edited on the GPU)
+            state = torch.cat([v[p.lo:p.hi].to("cpu", torch.float32) for v in values])
             self.store.write(p.key, state).wait()
             self.access.rewritten(p.key)
 

@@ -36,7 +36,7 @@ from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
 from zero_offload.engine.accumulate import Accumulator
-from zero_offload.engine.memory import FROZEN_ROW, grads_slot_rounding, padding
+from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
@@ -552,8 +552,7 @@ class Stage3Runtime:
         frozen = self._frozen_shard_bytes()  # not in the ledger's weights: named in extras()
         return {("weights", self.config.tiers.params): (ps.bytes_retained() - frozen, ps.peak_bytes() - frozen),
                 ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
-                ("gradients", self.config.tiers.grads): (sum(s.bytes_retained() for s in grads),
-                                                         sum(s.peak_bytes() for s in grads))}
+                **grads_by_tier(grads)}
 
     def _frozen_shard_bytes(self) -> int:
         return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups if not g.trainable)

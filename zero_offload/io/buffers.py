@@ -24,6 +24,15 @@ def round_up(n: int, alignment: int = ALIGN) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def _pinned_exact(size: int, alignment: int) -> torch.Tensor | None:
+    """`size` pinned bytes without the alignment slack, when they come aligned (cudaHostAlloc's
+    memory is page-aligned): torch's pinned allocator rounds each request up to a power of two
+    by default, so a 2 GiB staging ring asked for as 2 GiB + 4 KiB would pin 4 GiB. None if the
+    block is not aligned (then the slack is needed)."""
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    return raw if raw.data_ptr() % alignment == 0 else None
+
+
 def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False,
                   huge_pages: bool = True) -> torch.Tensor:
     """A uint8 tensor of `nbytes` starting on an `alignment` boundary, pinned when asked and
@@ -44,7 +53,9 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False,
     huge = huge_pages and not pin and size >= HUGE_PAGE
     if huge:
         alignment = max(alignment, HUGE_PAGE)
-    raw = torch.empty(size + alignment, dtype=torch.uint8, pin_memory=pin)
+    raw = _pinned_exact(size, alignment) if pin else None
+    if raw is None:
+        raw = torch.empty(size + alignment, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % alignment  # the view keeps `raw`'s storage (and its pinning) alive
     if huge:  # before the first touch, so that the pages are born huge
         _advise_huge(raw.data_ptr() + start, round_up(size, HUGE_PAGE))
