@@ -92,7 +92,7 @@ inline void step8(const zo_adam_tensor& t, const Coeffs8& c, int64_t i) {
   const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t.exp_avg + i), c.beta1),
                                  _mm256_mul_ps(g, c.one_minus_beta1));
   const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t.exp_avg_sq + i), c.beta2),
-                                 _mm256_mul_ps(_mm256_mul_ps(g, g), c.one_minus_beta2));
+                                 _mm256_mul_ps(_mm256_mul_ps(g, c.one_minus_beta2), g));
   const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps);
   p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(c.step_size, m), denom));
   _mm256_storeu_ps(t.param + i, p);

@@ -121,7 +121,7 @@ inline void step16(const zo_adam_tensor& t, const Coeffs16& c, int64_t i, __mmas
   const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.exp_avg + i), c.beta1),
                                  _mm512_mul_ps(g, c.one_minus_beta1));
   const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.exp_avg_sq + i), c.beta2),
-                                 _mm512_mul_ps(_mm512_mul_ps(g, g), c.one_minus_beta2));
+                                 _mm512_mul_ps(_mm512_mul_ps(g, c.one_minus_beta2), g));
   const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), c.eps);
   p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom));
   _mm512_mask_storeu_ps(t.param + i, k, p);

@@ -94,7 +94,8 @@ void zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int6
       g = g + c.l2 * p;
     }
     const float m = t.exp_avg[i] * c.beta1 + g * c.one_minus_beta1;
-    const float v = t.exp_avg_sq[i] * c.beta2 + (g * g) * c.one_minus_beta2;
+    // (g * (1 - beta2)) * g, as torch's addcmul: g * g alone overflows for |g| > ~1.8e19.
+    const float v = t.exp_avg_sq[i] * c.beta2 + (g * c.one_minus_beta2) * g;
     const float denom = std::sqrt(v) + c.eps;
     p = p - (c.step_size * m) / denom;
     t.param[i] = p;

@@ -72,7 +72,7 @@ def reference_adam(param: torch.Tensor, grads: Sequence[torch.Tensor], lrs: Sequ
         elif weight_decay:
             g = g + weight_decay * p
         m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
+        v = beta2 * v + g * (1 - beta2) * g  # torch's addcmul order (the kernels' too)
         denom = v.sqrt() / math.sqrt(1 - beta2**step) + eps
         p = p - lr / (1 - beta1**step) * m / denom
     return p, m, v

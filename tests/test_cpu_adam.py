@@ -253,3 +253,167 @@ def test_betas_given_as_a_list_are_taken_as_torch_takes_them() -> None:
     p.grad = torch.ones(4)
     CPUAdamW([p], lr=1e-2, betas=[0.9, 0.999]).step()
     assert not hasattr(_native_adam.check_hyper, "cache_info") and hasattr(_native_adam._lib, "cache_info")
+
+
+def _pair(adamw: bool, isa: str, sizes=(5, 17), threads: int | None = None, **kwargs):
+    """Ours and torch's optimizer over equal copies of the same parameters."""
+    ours_params, ref_params = _params(sizes=sizes), _params(sizes=sizes)
+    ours_cls, ref_cls = (CPUAdamW, torch.optim.AdamW) if adamw else (CPUAdam, torch.optim.Adam)
+    return (ours_cls(ours_params, isa=isa, threads=threads, **kwargs), ours_params,
+            ref_cls(ref_params, foreach=False, **kwargs), ref_params)
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("source", [torch.optim.Adam, CPUAdam])
+@pytest.mark.parametrize("isa", isa_params())
+def test_adamw_stays_adamw_after_loading_an_adam_state_dict(isa: str, source) -> None:
+    """torch.optim.AdamW.__setstate__ forces decoupled_weight_decay=True; CPUAdamW took the
+    loaded False and went on as L2 Adam (weights ~3e-3 off torch's after one step)."""
+    donor_params = _params(sizes=(5, 17))
+    donor = source(donor_params, lr=1e-2, weight_decay=0.5)
+    _train(donor_params, donor, 1)
+    saved = donor.state_dict()
+    ours_params = [torch.nn.Parameter(p.detach().clone()) for p in donor_params]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in donor_params]
+    ours, ref = CPUAdamW(ours_params, isa=isa), torch.optim.AdamW(ref_params, foreach=False)
+    ours.load_state_dict(copy.deepcopy(saved))  # copies: loading aliases the donor's tensors
+    ref.load_state_dict(copy.deepcopy(saved))
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
+    _train(ours_params, ours, 3, first=1)
+    _train(ref_params, ref, 3, first=1)
+    _assert_state_close(ours, ours_params, ref, ref_params)
+
+
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_huge_finite_gradient_keeps_training_as_torch_does(isa: str, adamw: bool) -> None:
+    """(g*g)*(1-beta2) overflowed to an infinite exp_avg_sq for |g| > ~1.8e19 and froze the
+    weight for good; torch computes (g*(1-beta2))*g, which stays finite up to |g| ~5.8e20."""
+    ours, ours_params, ref, ref_params = _pair(adamw, isa, sizes=(4,), lr=1e-2)
+    for step in range(4):
+        g = torch.tensor([1e19, -3e19, 4e20, 1.0]) if step == 0 else torch.ones(4)
+        ours_params[0].grad, ref_params[0].grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert torch.isfinite(ours.state[ours_params[0]]["exp_avg_sq"]).all()
+    _assert_state_close(ours, ours_params, ref, ref_params)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_a_copied_or_pickled_optimizer_steps_as_torch_does(isa: str, how: str) -> None:
+    """torch pickles defaults, state and param_groups only: the copy had no _isa or _threads and
+    its first step raised AttributeError."""
+    import pickle
+
+    ours, ours_params, ref, ref_params = _pair(True, isa, lr=1e-2, weight_decay=0.05, threads=2)
+    _train(ours_params, ours, 2)
+    _train(ref_params, ref, 2)
+    clone = copy.deepcopy if how == "deepcopy" else lambda o: pickle.loads(pickle.dumps(o))  # noqa: E731
+    ours, ref = clone(ours), clone(ref)
+    assert (ours._isa, ours._threads) == (isa, 2)
+    ours_params, ref_params = _params_of(ours), _params_of(ref)
+    _train(ours_params, ours, 3, first=2)
+    _train(ref_params, ref, 3, first=2)
+    _assert_state_close(ours, ours_params, ref, ref_params)
+
+
+_OLD_TORCH_MISSING = ("decoupled_weight_decay", "foreach", "fused", "capturable", "differentiable",
+                      "maximize", "amsgrad")
+
+
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_a_state_dict_from_older_torch_loads_and_steps_as_torch_does(isa: str, adamw: bool) -> None:
+    """Older torch wrote no decoupled_weight_decay (nor, further back, foreach, fused, ...):
+    step() raised KeyError where torch.optim.Adam/AdamW fill in their defaults."""
+    ours, ours_params, ref, ref_params = _pair(adamw, isa, lr=1e-2, weight_decay=0.05)
+    _train(ref_params, ref, 2)
+    saved = ref.state_dict()
+    for key in _OLD_TORCH_MISSING:
+        del saved["param_groups"][0][key]
+    for p, q in zip(ours_params, ref_params):
+        p.data.copy_(q.detach())
+    ours.load_state_dict(copy.deepcopy(saved))
+    ref.load_state_dict(copy.deepcopy(saved))
+    assert ours.param_groups[0]["decoupled_weight_decay"] is adamw
+    _train(ours_params, ours, 3, first=2)
+    _train(ref_params, ref, 3, first=2)
+    _assert_state_close(ours, ours_params, ref, ref_params)
+
+
+def _spoil_dtype(opt, params) -> None:
+    params[1].data = params[1].data.half()
+    params[1].grad = params[1].grad.half()
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (_spoil_dtype, r"CPUAdamW: steps float32 CPU parameters, group 1 param 0 is torch.float16"),
+    (lambda opt, params: opt.param_groups[1].update(amsgrad=True), r"CPUAdamW: amsgrad=True is not implemented"),
+    (lambda opt, params: opt.param_groups[1].update(lr=-1.0), r"CPUAdamW: invalid lr -1.0"),
+    (lambda opt, params: opt.param_groups[1].update(betas=(0.9, 1.5)), r"CPUAdamW: invalid betas\[1\] 1.5"),
+], ids=["dtype", "amsgrad", "lr", "betas"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_a_step_refused_for_a_later_group_changes_no_group(isa: str, spoil, message: str) -> None:
+    """Each group was checked just before it was stepped: a refusal in group 1 came after group
+    0's weights, moments and step counts had moved."""
+    groups = lambda ps: [{"params": ps[:1]}, {"params": ps[1:], "lr": 3e-3}]  # noqa: E731
+    ours_params, ref_params = _params(sizes=(5, 7)), _params(sizes=(5, 7))
+    ours = CPUAdamW(groups(ours_params), lr=1e-2, isa=isa)
+    ref = torch.optim.AdamW(groups(ref_params), lr=1e-2, foreach=False)
+    _train(ours_params, ours, 1)
+    _train(ref_params, ref, 1)
+    _set_grads(ours_params, 1)
+    saved = copy.deepcopy((ours.state_dict(), [p.detach().clone() for p in ours_params]))
+    spoil(ours, ours_params)
+    with pytest.raises(ValueError, match=message):
+        ours.step()
+    state, weights = saved
+    assert_bits_equal(ours_params[0].detach(), weights[0], "group 0 weights after a refused step")
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(ours.state[ours_params[0]][key], state["state"][0][key]), key
+    # Once repaired the run goes on as torch's, which never saw the refused call.
+    ours_params[1].data, ours_params[1].grad = weights[1].clone(), None
+    ours.load_state_dict(state)
+    _train(ours_params, ours, 3, first=1)
+    _train(ref_params, ref, 3, first=1)
+    _assert_state_close(ours, ours_params, ref, ref_params)
+
+
+def test_a_bad_group_is_refused_when_added() -> None:
+    opt = CPUAdamW(_params(sizes=(3,)))
+    with pytest.raises(ValueError, match=r"CPUAdamW: invalid lr -1.0") as err:
+        opt.add_param_group({"params": _params(seed=1, sizes=(4,)), "lr": -1.0})
+    assert "\n" not in str(err.value) and len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(foreach=True), dict(foreach=False), dict(fused=True), dict(fused=False)])
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+def test_torch_constructor_keywords_that_change_nothing_are_accepted(adamw: bool, kwargs: dict) -> None:
+    """torch.optim.Adam(W) takes foreach/fused: code passing them raised TypeError here."""
+    ours_params, ref_params = _params(sizes=(5, 17)), _params(sizes=(5, 17))
+    ours_cls, ref_cls = (CPUAdamW, torch.optim.AdamW) if adamw else (CPUAdam, torch.optim.Adam)
+    ours, ref = ours_cls(ours_params, lr=1e-2, **kwargs), ref_cls(ref_params, lr=1e-2, **kwargs)
+    assert {k: ours.param_groups[0][k] for k in kwargs} == kwargs
+    _train(ours_params, ours, 3)
+    _train(ref_params, ref, 3)
+    _assert_state_close(ours, ours_params, ref, ref_params)
+
+
+@pytest.mark.parametrize("cls", [CPUAdam, CPUAdamW])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capturable=True), "{}: capturable=True is not implemented"),
+    (dict(differentiable=True), "{}: differentiable=True is not implemented"),
+    (dict(amsgrad=True), "{}: amsgrad=True is not implemented"),
+    (dict(lr=-1.0), "{}: invalid lr -1.0"),
+    (dict(eps=float("nan")), "{}: invalid eps nan"),
+])
+def test_refusals_name_the_class_and_take_torch_keywords(cls, kwargs: dict, message: str) -> None:
+    """The hyperparameter errors said "CPUAdam" for CPUAdamW too; capturable/differentiable
+    were TypeErrors rather than refusals."""
+    with pytest.raises(ValueError) as err:
+        cls(_params(sizes=(3,)), **kwargs)
+    assert message.format(cls.__name__) in str(err.value) and "\n" not in str(err.value)

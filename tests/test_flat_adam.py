@@ -381,3 +381,62 @@ def test_runs_equal_one_call_per_run_bit_for_bit(native: bool, monkeypatch: pyte
             adam_step_flat(b[0][lo:hi], grad[lo:hi], b[1][lo:hi], b[2][lo:hi], step=3, lowp_out=out_b[lo:hi], **h)
     for x, y in zip(a + [out], b + [out_b]):
         assert torch.equal(x, y)
+
+
+def _huge_grads(n: int) -> list[torch.Tensor]:
+    """A first gradient with finite entries too large to square in fp32 (|g| > ~1.8e19, in the
+    8-wide body and in the tail), then ordinary ones."""
+    first = torch.ones(n)
+    first[::3] = 3e19
+    first[1::5] = -4e20  # (g * (1 - beta2)) * g = 1.6e38 still finite
+    return [first] + [torch.full((n,), 0.5) for _ in range(3)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("isa", [*isa_params(), "torch"])
+def test_huge_finite_gradient_keeps_the_second_moment_finite_as_torch_does(
+        isa: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels computed (g*g)*(1-beta2): g*g overflowed to Inf for |g| > ~1.8e19, v became
+    Inf and the weight never moved again. torch's addcmul computes (g*(1-beta2))*g."""
+    if isa == "torch":
+        monkeypatch.setattr(_native_adam, "available", lambda: False)
+        monkeypatch.setattr(_native_adam, "_warned", {"adam_step_flat"})
+    n, lrs = 19, [1e-2, 5e-3, 2e-3, 1e-3]
+    p0, m, v = _state(n, seed=9)
+    p, grads = p0.clone(), _huge_grads(n)
+    _run(p, m, v, grads, lrs, mode=mode, isa=None if isa == "torch" else isa)
+    assert torch.isfinite(v).all() and torch.isfinite(p).all()
+    wd, decoupled = MODES[mode]
+    tp = torch.nn.Parameter(p0.clone())
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([tp], lr=lrs[0], weight_decay=wd, foreach=False)
+    for g, lr in zip(grads, lrs):
+        opt.param_groups[0]["lr"] = lr
+        tp.grad = g.clone()
+        opt.step()
+    assert_close(p, tp.detach(), "param")
+    assert_close(m, opt.state[tp]["exp_avg"], "exp_avg")
+    assert_close(v, opt.state[tp]["exp_avg_sq"], "exp_avg_sq")
+    rp, rm, rv = reference_adam(p0, grads, lrs, weight_decay=wd, decoupled=decoupled)
+    assert_close(p, rp, "param")
+    assert_close(v, rv, "exp_avg_sq")
+    if isa not in ("scalar", "torch"):  # the vector paths stay the scalar oracle, bit for bit
+        q, mq, vq = p0.clone(), torch.zeros(n), torch.zeros(n)
+        _run(q, mq, vq, grads, lrs, mode=mode, isa="scalar")
+        for name, a, b in (("param", p, q), ("exp_avg", m, mq), ("exp_avg_sq", v, vq)):
+            assert_bits_equal(a, b, f"{isa} vs scalar {name}")
+
+
+def test_zero_threads_means_every_core_in_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """threads=0 meant every core but ZERO_OFFLOAD_THREADS=0 was an error: one number, one meaning."""
+    import os
+    _native_adam.default_threads.cache_clear()
+    try:
+        monkeypatch.setenv("ZERO_OFFLOAD_THREADS", "0")
+        assert _native_adam.resolve_threads(None) == _native_adam.resolve_threads(0) == len(os.sched_getaffinity(0))
+        _native_adam.default_threads.cache_clear()
+        monkeypatch.setenv("ZERO_OFFLOAD_THREADS", "-2")
+        message = r"ZERO_OFFLOAD_THREADS='-2': expected a whole number >= 0 \(0 = all cores\)"
+        with pytest.raises(ValueError, match=message):
+            _native_adam.resolve_threads(None)
+    finally:
+        _native_adam.default_threads.cache_clear()

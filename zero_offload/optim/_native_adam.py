@@ -3,7 +3,8 @@
 The ISA is chosen once per process: the best path the CPU supports, unless `ZERO_OFFLOAD_ISA`
 (scalar|avx2|avx512) forces one; forcing a path the CPU lacks is a one-line error, never a
 silent downgrade, so a benchmark or test always runs what it names. Threads default to every
-core this process may run on; `ZERO_OFFLOAD_THREADS` or an explicit count overrides that.
+core this process may run on; `ZERO_OFFLOAD_THREADS` or an explicit count overrides that (0 in
+either means every core).
 The library call releases the GIL (ctypes does so for every foreign call).
 """
 from __future__ import annotations
@@ -141,13 +142,14 @@ def resolve_isa(isa: str | None) -> str:
 
 @functools.cache
 def default_threads() -> int:
-    """ZERO_OFFLOAD_THREADS if set, else every core this process may run on (read once)."""
+    """ZERO_OFFLOAD_THREADS if set, else every core this process may run on (read once).
+
+    0 means every core, as `threads=0` and config.optimizer.threads do, so one number means
+    the same thing wherever it is written."""
     raw = os.environ.get("ZERO_OFFLOAD_THREADS", "").strip()
-    if not raw:
-        return len(os.sched_getaffinity(0))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"ZERO_OFFLOAD_THREADS={raw!r}: expected a whole number of threads >= 1")
-    return int(raw)
+    if not raw.isdigit() and raw:
+        raise ValueError(f"ZERO_OFFLOAD_THREADS={raw!r}: expected a whole number >= 0 (0 = all cores)")
+    return int(raw) if raw and int(raw) > 0 else len(os.sched_getaffinity(0))
 
 
 def resolve_threads(threads: int | None) -> int:
