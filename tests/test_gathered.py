@@ -146,3 +146,18 @@ def _rank0_loads(rank: int, world: int, stage: int, nvme_dir: str) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_rank0s_edits_become_every_ranks(stage: int, tmp_path: Path) -> None:
     run_ranks(_rank0_loads, 2, timeout=90, stage=stage, nvme_dir=str(tmp_path))
+
+
+def test_nesting_is_refused_and_leaves_the_engine_working(tmp_path: Path) -> None:
+    """The inner block's release of read-aheads took the outer block's units away and gave their
+    bytes back twice: every later use failed on the budget's assertion, close() too (a review)."""
+    engine = zero_offload.initialize(_net(), _config("cpu", "cpu", tmp_path))
+    with engine.gathered(engine.module.a):
+        with pytest.raises(RuntimeError, match=r"already inside engine.gathered\(\)"):
+            with engine.gathered(engine.module.a):
+                pass
+        assert engine.module.a.weight.numel() == 128  # the outer block's units stay whole
+    assert engine.runtime.prefetcher.budget.live == 0
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    engine.close()

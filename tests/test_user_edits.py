@@ -247,3 +247,53 @@ def test_the_optimizer_state_is_not_saved_through_engine_optimizer(tmp_path: Pat
     with pytest.raises(RuntimeError, match=r"restored by engine.load_checkpoint\(dir\)"):
         engine.optimizer.load_state_dict({})
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_object_replaced_after_initialize_is_refused(stage: int, tmp_path: Path) -> None:
+    """load_state_dict(assign=True) put new Parameter objects in the model: they had no hooks,
+    the originals were stepped with zero gradients, and the loss never moved (a review)."""
+    engine = zero_offload.initialize(_net(), _config(stage, "cpu", tmp_path))
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    original = engine.module.a.weight
+    engine.module.a.weight = nn.Parameter(torch.zeros(16, 8))
+    with pytest.raises(RuntimeError, match=r"parameter 'a.weight' was replaced by another object after initialize"):
+        engine.backward(engine(*_batch(1)))
+    engine.module.a.weight = original
+    engine.backward(engine(*_batch(1)))
+    engine.step()
+    engine.close()
+
+
+class _SharedBase(nn.Module):
+    """Two parameters that are views of one base tensor (they share its version counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        base = torch.randn(2, 64)
+        self.w1, self.w2 = nn.Parameter(base[0]), nn.Parameter(base[1])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((x[:, :1] * self.w1[:4] + self.w2[:4]) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu"])
+def test_parameters_sharing_a_base_are_not_taken_for_edited(tier: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bucket's install (a copy into a view) bumped the version counter the other bucket's
+    parameters share after that bucket was stamped: both were re-seeded every step, a state
+    read and write each (a review)."""
+    from zero_offload.engine.runtime import BucketRuntime
+
+    reseeds = []
+    real = BucketRuntime._reseed
+    monkeypatch.setattr(BucketRuntime, "_reseed", lambda self, b: (reseeds.append(b.key), real(self, b))[1])
+    cfg = {**_config(0, tier, tmp_path), "bucket_bytes": 64}  # one parameter per bucket
+    engine = zero_offload.initialize(_SharedBase(), cfg)
+    for i in range(4):
+        engine.backward(engine(*_batch(i)))
+        engine.step()
+    engine.close()
+    assert len(engine.runtime.buckets) == 2 and reseeds == []

@@ -61,10 +61,14 @@ def gathered(rt: "Stage3Runtime", params: list[nn.Parameter], modify: bool) -> I
     if any(rt._refs.values()):
         raise RuntimeError("engine.gathered: a forward's units are still in use (call it after engine.step(), "
                            "or after an evaluation forward, not between a forward and its backward)")
+    if rt.gathering:  # the inner block's release_all would take the outer one's units away
+        raise RuntimeError("engine.gathered: already inside engine.gathered(); name every parameter or module "
+                           "you need in one call")
     units = units_of(rt, params)
     _check_fits(rt, units)
     rt.prefetcher.release_all()  # read-aheads: their bytes back, and no fetch runs beside the writes below
     taken: list[Unit] = []
+    rt.gathering = True
     try:
         for u in units:
             if not u.resident:
@@ -75,6 +79,7 @@ def gathered(rt: "Stage3Runtime", params: list[nn.Parameter], modify: bool) -> I
             for u in units:
                 _write_back(rt, u)
     finally:
+        rt.gathering = False
         for u in taken:
             _release(rt, u)
 

@@ -23,6 +23,7 @@ from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.engine.slots import check_slots, param_slots
 from zero_offload.engine.step import hands_over_master
 from zero_offload.store import make_store
 
@@ -40,6 +41,7 @@ class BucketRuntime:
         self.replicated = config.stage == 0
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        self.slots = param_slots(model)
         self.buckets = make_buckets(named[::-1], config.bucket_bytes, 1 if self.replicated else self.world)
         opt_bytes = sum(b.layout.shard_numel for b in self.buckets) * 4
         self.shard_optimizer = ShardOptimizer(config, device, self._on_updated,
@@ -85,6 +87,7 @@ class BucketRuntime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
+        check_slots(self.slots)
         self._check_trainable()
         self._take_edits()
         self.reducer.begin(boundary)
@@ -117,6 +120,7 @@ class BucketRuntime:
                 p.grad = None
             if _stamps(b) != self._stamps[b.index]:
                 self._reseed(b)
+        self._stamp_all()
 
     def _reseed(self, b: Bucket) -> None:
         for name, p, shape in zip(b.names, b.params, b.layout.shapes):
@@ -129,7 +133,6 @@ class BucketRuntime:
         parts = self.shard_optimizer.read_state(b.key)
         parts["master"] = master
         self.shard_optimizer.write_state(b.key, parts)
-        self._stamps[b.index] = _stamps(b)
 
     def end_backward(self) -> None:
         self.reducer.end()
@@ -146,6 +149,7 @@ class BucketRuntime:
             self.shard_optimizer.abandon_step()
         finally:
             self._to_gather.clear()  # D > 1: installed only after a whole step, which this was not
+            self._stamp_all()
 
     def _sink(self, bucket: Bucket, shard: torch.Tensor) -> None:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)
@@ -180,6 +184,7 @@ class BucketRuntime:
                     self._install(b, *self._to_gather[b.key])
         finally:
             self._to_gather.clear()
+            self._stamp_all()
         self.shard_optimizer.prefetch()  # after the installs: its thread would compete for the GIL
         return applied
 
@@ -217,12 +222,18 @@ class BucketRuntime:
             with torch.no_grad():
                 for p, v in zip(b.params, b.layout.views(full)):
                     p.copy_(v)
-        self._stamps[b.index] = _stamps(b)
+
+    def _stamp_all(self) -> None:
+        """After the engine's own writes to the parameters: every bucket at once, since one
+        bucket's install can bump the version counter of another's parameters (views of one base
+        tensor share it)."""
+        self._stamps = {b.index: _stamps(b) for b in self.buckets}
 
     def refresh_params(self) -> None:
         """Rebuild the compute copy from the master shards (after a checkpoint load)."""
         for b in self.buckets:
             self._install(b, self.shard_optimizer.master(b.key).to(self.device, self.dtype))
+        self._stamp_all()
 
     def shard_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
         return {b.key: [(b.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel)

@@ -39,6 +39,7 @@ from zero_offload.engine.accumulate import Accumulator
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.engine.slots import check_slots, param_slots
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
 from zero_offload.engine.unit_policy import Plan, plan_units
 from zero_offload.io.buffers import aligned_tensor
@@ -99,6 +100,7 @@ class Stage3Runtime:
         self.params_store = None
         try:
             self._make_units(plan, elem, shapes)
+            self.slots = param_slots(model)  # after a meta model's parameters were replaced
             self._check_budget(plan)
             # Units gathered around other units (the root): see _held_to_end (every chain counts
             # them in the budget already).
@@ -130,6 +132,7 @@ class Stage3Runtime:
             self.phase = Phase.IDLE
             self.boundary = True
             self._in_backward = False  # between begin_backward and end_backward (engine.backward)
+            self.gathering = False  # inside engine.gathered (gathered.py)
             self._fresh: dict[str, torch.Tensor] = {}
             self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
             self._watches: list[hooks.InputWatch] = []
@@ -385,6 +388,7 @@ class Stage3Runtime:
         """Checks first (nothing is reduced yet): which parameters train is fixed at initialize.
         A stale .grad (held before initialize, or left by a refused loss.backward()) would be
         summed into this backward's by autograd: dropped."""
+        check_slots(self.slots)
         for u in self.units:
             for g in u.groups:
                 for name, p in zip(g.names, g.params):
@@ -612,9 +616,9 @@ class Stage3Runtime:
         """Also what a failed __init__ made (the parts it did not reach are None)."""
         for h in self._handles:
             h.remove()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
         try:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
             if self.shard_optimizer is not None:
                 self.shard_optimizer.close()
                 for u in self.units:
