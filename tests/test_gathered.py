@@ -161,3 +161,55 @@ def test_nesting_is_refused_and_leaves_the_engine_working(tmp_path: Path) -> Non
     engine.backward(engine(*_batch(0)))
     engine.step()
     engine.close()
+
+
+@pytest.mark.parametrize("how", ["data=", "mul_"])
+def test_an_edit_outside_gathered_is_refused_and_dropped(how: str, tmp_path: Path) -> None:
+    """`p.data = t` (or a parametrization's set_) between passes was overwritten by the next
+    gather without a word (a review); an in-place edit of the empty tensor did nothing. Both
+    are refused at the gather, the change dropped, and training goes on from the shards."""
+    engine = zero_offload.initialize(_net(), _config("cpu", "cpu", tmp_path))
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    before = engine.consolidated_state_dict()
+    with torch.no_grad():
+        if how == "data=":
+            engine.module.b.weight.data = torch.zeros(16, 16)
+        else:
+            engine.module.b.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"parameter 'b.weight' \(unit 'b'\) was changed while its unit was "
+                                           r"sharded, between passes, and the change is dropped"):
+        engine(*_batch(1))
+    _assert_close(engine.consolidated_state_dict(), before)
+    engine.backward(engine(*_batch(1)))
+    engine.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("where", ["model", "block, before initialize", "block, after initialize"])
+def test_torch_compile_is_refused_at_stage_3(where: str, tmp_path: Path) -> None:
+    """Every form failed deep inside Dynamo or autograd ('modified by an inplace operation'):
+    refused in one line instead (stages 0-2 run compiled models)."""
+    model = _net()
+    if where == "model":
+        model = torch.compile(model)
+    elif where == "block, before initialize":
+        model.b.compile()
+    with pytest.raises(RuntimeError, match=r"stage 3 does not run under torch.compile"):
+        engine = zero_offload.initialize(model, _config("cpu", "cpu", tmp_path))
+        model.b.compile()
+        engine(*_batch(0))
+    if where == "block, after initialize":
+        engine.close()
+    assert not [d for d in tmp_path.iterdir()]
+
+
+def test_autograd_grad_at_stage_3_says_what_is_unsupported(tmp_path: Path) -> None:
+    engine = zero_offload.initialize(_net(), _config("cpu", "cpu", tmp_path))
+    x, y = _batch(0)
+    x.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="at stage 3 torch.autograd.grad and double backward"):
+        torch.autograd.grad(engine(x, y), x)
+    engine.backward(engine(*_batch(0)))  # the engine goes on
+    engine.step()
+    engine.close()

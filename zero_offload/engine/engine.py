@@ -154,6 +154,8 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._require_loaded("forward")
+        if self.config.stage == 3:
+            self.runtime.refuse_compiled(self.module)
         if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
             self.runtime.begin_forward(self.is_boundary)
         self.phase.start_forward()

@@ -85,6 +85,8 @@ class Stage3Runtime:
         self.dtype = DTYPES[config.precision.dtype]
         self.scale = 1.0 / (self.world * config.gradient_accumulation_steps)
         elem = torch.empty((), dtype=self.dtype).element_size()
+        self.users: dict[nn.Module, tuple[Unit, ...]] = {}
+        self.refuse_compiled(model)
         plan = plan_units(model, config.stage3, elem)
         meta = any(p.is_meta for p in model.parameters())
         shapes = {id(p): p.shape for u in plan.units for _, p in u.params}
@@ -140,6 +142,16 @@ class Stage3Runtime:
         except BaseException:  # an init_fn that raises, a full drive: what was made goes (threads, files, locks)
             self.close()
             raise
+
+    def refuse_compiled(self, module: nn.Module) -> None:
+        """torch.compile traces the engine's hooks (Dynamo fails on them) and saves parameters
+        whose later re-gather in backward it takes for an in-place change: refused in one line,
+        for the model and for each module that owns a unit (where `.compile()` would go; at
+        initialize, before units exist, every module)."""
+        for m in (module, *(self.users or module.modules())):
+            if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+                raise RuntimeError("stage 3 does not run under torch.compile (the model or one of its units is "
+                                   "compiled); compile at stages 0-2, or leave the model uncompiled")
 
     def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """`module.state_dict()` outside a pass or engine.gathered() would return the sharded
@@ -208,9 +220,7 @@ class Stage3Runtime:
                 self.shard_optimizer.add_shard(g.key, shard)
             u.write_shard(g.key, shard)
             u.settle_write(g.key)  # one shard in memory at a time: the model may exceed RAM
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for p in u.params():
-            p.data = empty
+        u.empty_params()
 
     def _gather_resident(self) -> None:
         for u in self.units:
@@ -296,8 +306,9 @@ class Stage3Runtime:
 
     def _require_engine_backward(self) -> None:
         if not self._in_backward:
-            raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), "
-                               "not loss.backward()")
+            raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), not "
+                               "loss.backward(); at stage 3 torch.autograd.grad and double backward "
+                               "(create_graph=True) are not supported either (stages 0-2 support them)")
 
     def param_grad(self, unit: Unit, param: torch.Tensor) -> None:
         self._require_engine_backward()

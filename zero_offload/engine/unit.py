@@ -110,6 +110,7 @@ class Unit:
         self._pending: Callable[[], None] | None = None
         self._writes: dict[str, tuple[Handle, torch.Tensor]] = {}  # writes in flight and their values, by group key
         self._write_lock = threading.Lock()
+        self._sharded_versions: dict[int, int] = {}  # id(param) -> version counter when last emptied
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
         layout = FlatLayout.build([s for _, _, s in named], self.world)
@@ -183,6 +184,7 @@ class Unit:
             tracer().add(f"wait {self.name}", "wait", start, time.perf_counter_ns())
         for g in self.groups:
             self._all_gather(g)
+        self._check_untouched()  # after the collective: every rank is past it, whichever raises
         for g in self.groups:
             for p, view in zip(g.params, g.layout.views(g.flat)):
                 p.data = view
@@ -206,11 +208,28 @@ class Unit:
         self.state = UnitState.SHARDED
 
     def _free_storage(self) -> None:
+        self.empty_params()
         for g in self.groups:
-            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            g.flat.untyped_storage().resize_(0)
+
+    def empty_params(self) -> None:
+        """Point every parameter at an empty tensor (sharded) and remember its version counter:
+        a change made while sharded (`p.data = t`, an in-place edit, a parametrization's
+        `set_`) would be overwritten by the next gather without a word; _check_untouched refuses it."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for g in self.groups:
             for p in g.params:
                 p.data = empty
-            g.flat.untyped_storage().resize_(0)
+                self._sharded_versions[id(p)] = p._version
+
+    def _check_untouched(self) -> None:
+        for g in self.groups:
+            for name, p in zip(g.names, g.params):
+                if p.numel() or p._version != self._sharded_versions.get(id(p), p._version):
+                    self.empty_params()  # dropped, so that the next pass goes on from the shards
+                    raise RuntimeError(f"stage 3: parameter '{name}' (unit '{self.name}') was changed while its unit "
+                                       "was sharded, between passes, and the change is dropped (a gather would "
+                                       "overwrite it): edit weights inside `with engine.gathered(params, modify=True)`")
 
     def install_shards(self, shards: dict[str, torch.Tensor | None], *, frozen_too: bool = False) -> None:
         """A GATHERED (resident) unit takes new shards in place: given ones are copied into this
