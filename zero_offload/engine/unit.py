@@ -223,9 +223,11 @@ class Unit:
                 self._sharded_versions[id(p)] = p._version
 
     def _check_untouched(self) -> None:
+        """Each parameter this unit emptied is still that empty tensor, at the same version."""
         for g in self.groups:
             for name, p in zip(g.names, g.params):
-                if p.numel() or p._version != self._sharded_versions.get(id(p), p._version):
+                version = self._sharded_versions.get(id(p))
+                if version is not None and (p.numel() or p._version != version):
                     self.empty_params()  # dropped, so that the next pass goes on from the shards
                     raise RuntimeError(f"stage 3: parameter '{name}' (unit '{self.name}') was changed while its unit "
                                        "was sharded, between passes, and the change is dropped (a gather would "
