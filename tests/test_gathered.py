@@ -121,7 +121,7 @@ def test_gathering_more_than_the_live_budget_is_refused(tmp_path: Path) -> None:
             pass
     with engine.gathered([engine.module.a, engine.module.c.bias]):
         assert engine.module.c.weight.numel() == 64
-    with pytest.raises(ValueError, match="argument 0 is not a parameter of the engine's model"):
+    with pytest.raises(ValueError, match="tensor 0 of the 1 parameters named is not a parameter of the engine's model"):
         with engine.gathered(nn.Parameter(torch.zeros(2))):
             pass
     engine.backward(engine(*_batch(0)))

@@ -50,7 +50,8 @@ def units_of(rt: "Stage3Runtime", params: list[nn.Parameter]) -> list[Unit]:
     home = {id(p): u for u in rt.units for p in u.params()}
     missing = [i for i, p in enumerate(params) if id(p) not in home]
     if missing:
-        raise ValueError(f"engine.gathered: argument {missing[0]} is not a parameter of the engine's model")
+        raise ValueError(f"engine.gathered: tensor {missing[0]} of the {len(params)} parameters named is not a "
+                         "parameter of the engine's model")
     wanted = {home[id(p)].index for p in params}
     return [u for u in rt.units if u.index in wanted]
 
