@@ -3,7 +3,9 @@
 The dynamic loss scaler multiplies the loss by `scale` before backward so small fp16 gradients do
 not flush to zero; the step divides it back out (as part of `grad_scale`, never as a separate pass
 over the gradients). A step whose gradients hold an inf or NaN is skipped; after `hysteresis`
-such steps in a row the scale halves, and after `scale_window` clean steps it doubles.
+such steps the scale halves (not necessarily in a row: clean steps in between do not restore the
+count, which only resets when the scale changes, as DeepSpeed's default
+consecutive_hysteresis=False does), and after `scale_window` clean steps in a row it doubles.
 """
 from __future__ import annotations
 
