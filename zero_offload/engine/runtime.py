@@ -60,8 +60,10 @@ class BucketRuntime:
             master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=device)
             b.layout.shard_from([p.detach() for p in b.params], self.owner, master)
             self.shard_optimizer.add_shard(b.key, master)
+        accumulates = config.gradient_accumulation_steps > 1  # else nothing is ever held there: a token file
         self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
-                                                  device=device, rank=self.rank, capacity_bytes=opt_bytes + (1 << 20)))
+                                                  device=device, rank=self.rank,
+                                                  capacity_bytes=opt_bytes + (1 << 20) if accumulates else (1 << 20)))
         scale = 1.0 / (self.world * config.gradient_accumulation_steps)
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,

@@ -93,8 +93,11 @@ class ShardOptimizer:
         # device tensor; they stay on the host (the memory report counts them there).
         held_tier = "cpu" if kernel.host and config.tiers.grads == "device" and self.device.type != "cpu" \
             else config.tiers.grads
+        # Sized for the whole state only when a step holds gradients; the overlapped step never
+        # does, so a drive then reserves a token file (it grows if ever needed).
+        holds = not (config.overlap_step and config.clip_grad_norm == 0.0 and not self.scaler.enabled)
         self.grad_store = make_store(held_tier, "gradients", config, device=self.device, rank=rank,
-                                     capacity_bytes=cap)
+                                     capacity_bytes=cap if holds else (1 << 20))
         self.kernel_device = self.device if not kernel.host else torch.device("cpu")
         self.access = StateAccess(self.store, config.pinned_budget_bytes)
         # Only a host kernel streams: its callback runs on the worker. A device kernel runs inline
@@ -115,7 +118,7 @@ class ShardOptimizer:
         self._arrived: list[str] = []
         self._held: set[str] = set()
         self._sq_norm = 0.0
-        self.eager = config.overlap_step and config.clip_grad_norm == 0.0 and not self.scaler.enabled
+        self.eager = not holds
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
 
