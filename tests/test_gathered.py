@@ -213,3 +213,17 @@ def test_autograd_grad_at_stage_3_says_what_is_unsupported(tmp_path: Path) -> No
     engine.backward(engine(*_batch(0)))  # the engine goes on
     engine.step()
     engine.close()
+
+
+def test_bad_arguments_and_reshaped_parameters_inside_gathered_are_one_line(tmp_path: Path) -> None:
+    engine = zero_offload.initialize(_net(), _config("cpu", "cpu", tmp_path))
+    with pytest.raises(TypeError, match="engine.gathered: expected modules or parameters, got str"):
+        with engine.gathered(["a"]):
+            pass
+    with pytest.raises(RuntimeError, match=r"parameter 'b.weight' of unit 'b' was given shape \(2, 2\); it has \(16, 16\)"):
+        with engine.gathered(engine.module.b, modify=True):
+            engine.module.b.weight.data = torch.zeros(2, 2)
+    assert engine.runtime.prefetcher.budget.live == 0
+    engine.backward(engine(*_batch(0)))
+    engine.step()
+    engine.close()

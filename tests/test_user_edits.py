@@ -153,7 +153,7 @@ def test_freezing_or_unfreezing_after_initialize_is_refused(stage: int, tmp_path
     engine.backward(engine(*_batch(0)))
     engine.step()
     model.a.weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"parameter 'a.weight' was frozen \(requires_grad=False\) after initialize"):
+    with pytest.raises(RuntimeError, match=r"parameter 'a.weight' was frozen \(requires_grad=False\) after initialize; the trainable parameters are fixed"):
         engine.backward(engine(*_batch(1)))
     model.a.weight.requires_grad_(True)
     model.b.bias.requires_grad_(True)
@@ -297,3 +297,14 @@ def test_parameters_sharing_a_base_are_not_taken_for_edited(tier: str, tmp_path:
         engine.step()
     engine.close()
     assert len(engine.runtime.buckets) == 2 and reseeds == []
+
+
+def test_a_parameter_given_another_shape_is_refused(tmp_path: Path) -> None:
+    """`p.data = t` of another shape cannot become the bucket's master: one line naming both."""
+    engine = zero_offload.initialize(_net(), _config(1, "cpu", tmp_path))
+    loss = engine(*_batch(0))  # (a forward after the change would fail in torch first)
+    engine.module.b.weight.data = torch.zeros(2, 2)
+    with pytest.raises(RuntimeError, match=r"parameter 'b.weight' was replaced by a tensor of shape \(2, 2\), "
+                                           r"torch.float32 on cpu after initialize; the engine holds \(4, 16\)"):
+        engine.backward(loss)
+    engine.close()

@@ -40,7 +40,7 @@ class BucketRuntime:
         self.dtype = DTYPES[config.precision.dtype]
         self.replicated = config.stage == 0
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]  # the memory report's row
         self.slots = param_slots(model)
         self.buckets = make_buckets(named[::-1], config.bucket_bytes, 1 if self.replicated else self.world)
         opt_bytes = sum(b.layout.shard_numel for b in self.buckets) * 4
@@ -89,26 +89,9 @@ class BucketRuntime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
-        check_slots(self.slots)
-        self._check_trainable()
+        check_slots(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
         self._take_edits()
         self.reducer.begin(boundary)
-
-    def _check_trainable(self) -> None:
-        """Which parameters train is fixed at initialize: a parameter frozen afterwards would
-        still be stepped (Adam's moments keep moving it), one unfrozen would gather .grad that
-        nothing steps. Both are refused, before the backward touches anything."""
-        for b in self.buckets:
-            for name, p in zip(b.names, b.params):
-                if not p.requires_grad:
-                    raise RuntimeError(f"engine.backward: parameter '{name}' was frozen (requires_grad=False) after "
-                                       "initialize; the trainable parameters are fixed then: freeze it before "
-                                       "initialize (or build a new engine)")
-        for name, p in self.frozen:
-            if p.requires_grad:
-                raise RuntimeError(f"engine.backward: parameter '{name}' was unfrozen (requires_grad=True) after "
-                                   "initialize; the trainable parameters are fixed then: unfreeze it before "
-                                   "initialize (or build a new engine)")
 
     def _take_edits(self) -> None:
         """Parameters changed since the engine last wrote them (`module.load_state_dict`, an
@@ -117,12 +100,13 @@ class BucketRuntime:
         overwrite the edit with the update of the old master. In bf16/fp16 the master takes the
         edited compute copy's values. A stale .grad (left by a refused loss.backward(), or held
         before initialize) is dropped: engine.step() clears gradients, so none may carry over."""
+        stamps = {b.index: _stamps(b) for b in self.buckets}  # a re-seed writes no parameter
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
-            if _stamps(b) != self._stamps[b.index]:
+            if stamps[b.index] != self._stamps[b.index]:
                 self._reseed(b)
-        self._stamp_all()
+        self._stamps = stamps
 
     def _reseed(self, b: Bucket) -> None:
         for name, p, shape in zip(b.names, b.params, b.layout.shapes):

@@ -3,26 +3,34 @@
 The engine's hooks, buckets and unit shards belong to the Parameter objects it was given. One
 put in their place afterwards (`module.load_state_dict(sd, assign=True)`, `module.w =
 nn.Parameter(...)`) has none of them: the forward would use it, its gradient would reach nothing,
-and the original would be stepped with a zero gradient, so training would silently stop. Such a
-replacement is refused before a backward reduces anything.
+and the original would be stepped with a zero gradient, so training would silently stop. Which
+parameters train is fixed then too: one frozen afterwards would still be stepped (Adam's moments
+keep moving it), one unfrozen would gather .grad that nothing steps. Both are refused before a
+backward reduces anything.
 """
 from __future__ import annotations
 
 from torch import nn
 
-Slot = tuple[nn.Module, str, str, nn.Parameter]  # (module, attribute, qualified name, parameter)
+# (module, attribute, qualified name, parameter, whether it trained at initialize)
+Slot = tuple[nn.Module, str, str, nn.Parameter, bool]
 
 
 def param_slots(model: nn.Module) -> list[Slot]:
     """Every (module, attribute) holding a parameter now, with its qualified name."""
-    return [(mod, attr, f"{prefix}.{attr}" if prefix else attr, p)
+    return [(mod, attr, f"{prefix}.{attr}" if prefix else attr, p, p.requires_grad)
             for prefix, mod in model.named_modules(remove_duplicate=False)
             for attr, p in mod._parameters.items() if p is not None]
 
 
 def check_slots(slots: list[Slot]) -> None:
-    """Refuse a slot whose parameter is no longer the object initialize saw."""
-    for mod, attr, name, p in slots:
+    """Refuse a slot whose parameter is no longer the object initialize saw, or no longer
+    trains (or now trains) where it did not."""
+    for mod, attr, name, p, trained in slots:
+        if p.requires_grad != trained:
+            raise RuntimeError(f"engine.backward: parameter '{name}' was {'unfrozen' if p.requires_grad else 'frozen'} "
+                               f"(requires_grad={p.requires_grad}) after initialize; the trainable parameters are fixed "
+                               "then: change it before initialize (or build a new engine)")
         if mod._parameters.get(attr) is not p:
             raise RuntimeError(f"engine.backward: parameter '{name}' was replaced by another object after "
                                "initialize (load_state_dict(assign=True), or a new nn.Parameter); the engine trains "

@@ -396,19 +396,13 @@ class Stage3Runtime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
-        """Checks first (nothing is reduced yet): which parameters train is fixed at initialize.
-        A stale .grad (held before initialize, or left by a refused loss.backward()) would be
-        summed into this backward's by autograd: dropped."""
-        check_slots(self.slots)
+        """Checks first (nothing is reduced yet): the parameters and which of them train are
+        fixed at initialize. A stale .grad (held before initialize, or left by a refused
+        loss.backward()) would be summed into this backward's by autograd: dropped."""
+        check_slots(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
         for u in self.units:
-            for g in u.groups:
-                for name, p in zip(g.names, g.params):
-                    if p.requires_grad != g.trainable:
-                        raise RuntimeError(f"engine.backward: parameter '{name}' was "
-                                           f"{'unfrozen' if p.requires_grad else 'frozen'} (requires_grad="
-                                           f"{p.requires_grad}) after initialize; the trainable parameters are fixed "
-                                           "then: change it before initialize (or build a new engine)")
-                    p.grad = None
+            for p in u.params():
+                p.grad = None
         self.boundary = boundary
         self._in_backward = True
 
