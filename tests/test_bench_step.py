@@ -68,6 +68,9 @@ def test_tiny_run_reports_every_part_and_full_drive_traffic(tmp_path: Path, caps
         assert sum(phases[part].values()) <= result["seconds"][part]
     steal = result["cpu_steal_pct"]
     assert steal is None or 0.0 <= steal <= 100.0
+    host = result["host"]  # what the figures were measured on
+    assert host["cpus"] >= 1 and host["cpu"] and host["adam_isa"] in ("scalar", "avx2", "avx512") + (
+        "torch fallback (native library not loaded)",)
     assert list(tmp_path.iterdir()) == []  # the scratch directory is gone
 
 
@@ -75,7 +78,7 @@ def test_table_names_the_traffic_and_the_ratio(tmp_path: Path, capsys: pytest.Ca
     assert bench_step.main(_args(TINY + ["--staging-mib", "0.25", "--nvme-path", str(tmp_path)])) == 0
     out = capsys.readouterr().out
     for label in ("fwd+bwd", "cpu adam", "nvme", "serial step", "drive traffic per step", "step / largest part",
-                  "step by phase            forward", "allocator                glibc defaults"):
+                  "step by phase            forward", "allocator                glibc defaults", "host                     "):
         assert label in out, out
 
 

@@ -340,10 +340,28 @@ def _print(args: argparse.Namespace, result: dict) -> None:
         print(f"  step by phase            forward {step['forward'] * 1e3:.1f} ms (fwd+bwd: {plain['forward'] * 1e3:.1f}), "
               f"backward {step['backward'] * 1e3:.1f} ms ({plain['backward'] * 1e3:.1f}), "
               f"step() {step['step()'] * 1e3:.1f} ms   (medians)")
+    host = result["host"]
+    print(f"  host                     {host['cpu']}, {host['cpus']} cpus, CPU Adam {host['adam_isa']}")
     print(f"  allocator                {result['allocator']}")
     if result["cpu_steal_pct"] is not None:
         print(f"  cpu steal                {result['cpu_steal_pct']:9.1f} %   of the machine's CPU time went to other "
               "virtual machines during the rounds (above ~3%, the host was contended: the ratio suffers)")
+
+
+def _host() -> dict[str, object]:
+    """What the figures were measured on: the overlap this bench measures depends on the host (its
+    cores, its Adam kernel, its drive), so a figure without its host cannot be compared."""
+    from zero_offload import native
+    from zero_offload.optim import _native_adam
+
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    isa = _native_adam.default_isa() if native.lib() is not None else "torch fallback (native library not loaded)"
+    return {"cpu": model, "cpus": len(os.sched_getaffinity(0)), "adam_isa": isa}
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -371,7 +389,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     io_name = "nvme" if args.tier == "nvme" else "state copy (cpu tier)"
     result = _summarize(args, io_name, *_measure(args, io_name))
-    result["allocator"] = allocator
+    result["allocator"], result["host"] = allocator, _host()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
