@@ -31,6 +31,7 @@ def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeou
 
     stackfile = open(os.path.join(errdir, f"stack{rank}.txt"), "w")
     faulthandler.dump_traceback_later(max(timeout - 10, 5), exit=True, file=stackfile)
+    faulthandler.enable(file=stackfile, all_threads=True)  # a rank killed by a signal (an abort) shows where
     torch.set_num_threads(1)
     try:
         if world > 1:
@@ -44,6 +45,14 @@ def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeou
             f.write(traceback.format_exc())
         sys.stderr.write(traceback.format_exc())
         os._exit(1)
+    # Not through the interpreter's finalization: a gloo worker thread may still be dropping a
+    # finished Work that holds Python-made tensors (the barrier keeps the all-gathers before it),
+    # and a thread that needs the GIL while the interpreter finalizes ends in std::terminate
+    # (SIGABRT, "terminate called without an active exception"; about one run in twenty here).
+    faulthandler.cancel_dump_traceback_later()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., None], world: int, *, timeout: float = 200.0, **kwargs: Any) -> None:
