@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import zero_offload
 from zero_offload.config import Config
 from zero_offload.engine import checkpoint
 from zero_offload.engine import step as step_mod
+from zero_offload.engine.engine import EngineStateError
 from zero_offload.engine.step import updated_buffer
 from zero_offload.engine.unit import StagingPool, Unit
 from zero_offload.io.base import DoneFuture
@@ -127,6 +129,54 @@ def test_ctrl_c_during_step_hands_over_every_shard_the_worker_stepped(tier: str,
         assert torch.equal(flat, masters[b.key][:flat.numel()]), b.key
     _step(eng, 3)  # training goes on, each shard from its own step count
     assert {k: so.steps[k] for k in masters} == {k: (3 if k in stepped else 2) for k in masters}
+    eng.close()
+
+
+def _interrupt_once_counted(pipeline: Any) -> Callable[..., Any]:
+    """A trace function: KeyboardInterrupt at the first line `_hand_over` runs after it counted a
+    job as handed, as Ctrl-C does between two bytecodes (the window the test is about)."""
+    seen: dict[str, Any] = {"handed": None, "fired": False}
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and not seen["fired"]:
+            if seen["handed"] is not None and pipeline._handed > seen["handed"]:
+                seen["fired"] = True
+                raise KeyboardInterrupt
+            seen["handed"] = pipeline._handed
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code is step_mod.StepPipeline._hand_over.__code__ and not seen["fired"] else None
+    tracer.seen = seen  # type: ignore[attr-defined]
+    return tracer
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ctrl_c_just_after_a_shard_is_counted_as_handed_over_stops_the_engine(stage: int, tmp_path: Path) -> None:
+    """The shard was counted as handed over before its hand-over (step count, compute copy) ran:
+    Ctrl-C between the two left its compute copy behind its master and its step count short,
+    and training went on from there. Now the hand-over counts as failed and the engine stops
+    until a checkpoint is loaded; the load resumes as if nothing happened."""
+    eng = _engine(tmp_path / "run", "cpu", stage=stage)
+    _step(eng, 1)
+    eng.save_checkpoint(str(tmp_path / "ckpt"))
+    tracer = _interrupt_once_counted(eng.runtime.shard_optimizer.pipeline)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _step(eng, 2)
+    finally:
+        sys.settrace(None)
+    assert tracer.seen["fired"]  # type: ignore[attr-defined]
+    with pytest.raises(EngineStateError, match="while handing over a stepped shard.*load a checkpoint"):
+        _step(eng, 3)
+    eng.load_checkpoint(str(tmp_path / "ckpt"))
+    _step(eng, 2)
+    ref = _engine(tmp_path / "ref", "cpu", stage=stage)
+    _step(ref, 1)
+    _step(ref, 2)
+    assert _same(_weights(eng), _weights(ref))
+    ref.close()
     eng.close()
 
 

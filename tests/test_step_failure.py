@@ -192,6 +192,55 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int, tmp_path:
     run_ranks(_fails_on_rank_one, 2, timeout=90, stage=stage, tmp=str(tmp_path))
 
 
+def _hand_over_fails_on_last_rank(rank: int, world: int, stage: int, tmp: str) -> None:
+    import os
+
+    import zero_offload
+    from _engine_model import batch, make_model
+    from zero_offload import comm
+    from zero_offload.engine.engine import EngineStateError
+
+    tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
+    engine = zero_offload.initialize(make_model(), dict(stage=stage, tiers=tiers, bucket_bytes=4096))
+
+    def train(step: int) -> bool:
+        x, y = batch(step, 2 * world)
+        engine.backward(engine(x[rank::world], y[rank::world]))
+        return engine.step()
+    assert train(0)
+    engine.save_checkpoint(os.path.join(tmp, "ckpt"))
+    patch = pytest.MonkeyPatch()
+    if rank == world - 1:  # the second shard handed over: its state moved on, its count does not follow
+        real, calls = ShardOptimizer._completed, {"n": 0}
+
+        def completed(self: ShardOptimizer, job: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise MemoryError("simulated hand-over failure")
+            real(self, job)
+        patch.setattr(ShardOptimizer, "_completed", completed)
+    with pytest.raises(RuntimeError, match="simulated hand-over failure.*while handing over shard"):
+        train(1)
+    patch.undo()
+    with pytest.raises(EngineStateError, match="while handing over a stepped shard"):
+        train(2)  # on every rank: none goes on alone into the collectives
+    engine.load_checkpoint(os.path.join(tmp, "ckpt"))
+    assert train(1) and train(2)
+    sums = comm.gather_objects(float(sum(p.detach().double().sum() for p in engine.module.parameters())))
+    assert sums[0] == sums[-1], sums
+    engine.close()
+
+
+@pytest.mark.parametrize("world,stage", [(1, 1), (2, 1), (2, 2), (2, 3)])
+def test_a_failed_hand_over_stops_every_rank_until_a_load(world: int, stage: int, tmp_path: object) -> None:
+    """A stepped shard whose hand-over fails (its step count and compute copy not updated) used
+    to be left so: the next steps bias-corrected it for the wrong step on weights behind its
+    master. Now every rank raises, naming the shard, and stops until a checkpoint is loaded."""
+    from _dist import run_ranks
+
+    run_ranks(_hand_over_fails_on_last_rank, world, timeout=90, stage=stage, tmp=str(tmp_path))
+
+
 def _stage0_failures_on_every_rank(rank: int, world: int) -> None:
     from test_failed_passes import _batch, _engine, _train
     from zero_offload.engine.engine import EngineStateError

@@ -19,7 +19,7 @@ import torch
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.param_groups import resolve as resolve_groups, runs as group_runs
-from zero_offload.engine.shard_optimizer import DTYPES
+from zero_offload.engine.shard_optimizer import DTYPES, HandOverFailed
 
 
 class Phase(Enum):
@@ -257,7 +257,10 @@ class Engine:
             return self.runtime.step()
         except BaseException as exc:  # an interrupt too: the boundary backward took the partial sums
             so = self.runtime.shard_optimizer
-            if self.config.gradient_accumulation_steps > 1:
+            if isinstance(exc, HandOverFailed) or (so.pipeline.failed_hand_over and not isinstance(exc, Exception)):
+                self.stopped = (f"a step failed or was interrupted while handing over a stepped shard ({exc!r}); "
+                                "its compute copy or step count may lag its master shard")
+            elif self.config.gradient_accumulation_steps > 1:
                 self.stopped = f"a step failed ({exc}) after taking the gradient-accumulation cycle's partial sums"
             elif self._replicated_ranks() and not isinstance(exc, Exception):  # not agreed: no collective
                 self.stopped = f"a step was interrupted ({type(exc).__name__}); the stage-0 replicas may differ"

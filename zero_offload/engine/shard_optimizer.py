@@ -65,6 +65,11 @@ class HyperParams(torch.optim.Optimizer):
                            "engine.load_checkpoint(dir)")
 
 
+class HandOverFailed(RuntimeError):
+    """A step failed while a stepped shard was handed over (on some rank): that shard's master
+    moved on, its step count or compute copy may not have. Training cannot go on from there."""
+
+
 class ShardOptimizer:
     """Owns this rank's optimizer state (fp32 master shard + m + v) per key, on the optimizer tier, and steps it."""
 
@@ -210,7 +215,7 @@ class ShardOptimizer:
             error = exc
         finally:
             self._end_step()
-        self._agree(error)
+        self._agree(error, self.pipeline.failed_hand_over)
         if applied:
             self.optimizer.step()
         return applied
@@ -225,13 +230,19 @@ class ShardOptimizer:
             self._end_step()
 
     @staticmethod
-    def _agree(error: Exception | None) -> None:
-        """Raise this rank's error, or another rank's, on every rank."""
+    def _agree(error: Exception | None, lagging: str | None) -> None:
+        """Raise this rank's error, or another rank's, on every rank; a HandOverFailed on every
+        rank when a hand-over failed on any (`lagging`: the shard whose hand-over failed here)."""
         failed = comm.first_failure(None if error is None else (error.__cause__ or error))
+        if failed is None:
+            return
+        text = str(error) if error is not None else f"the optimizer step failed on rank {failed[0]}: {failed[1]}"
+        lag = next(((r, k) for r, k in enumerate(comm.gather_objects(lagging)) if k is not None), None)
+        if lag is not None:  # reached by every rank: each knows that some rank failed
+            raise HandOverFailed(f"{text} (while handing over shard {lag[1]} on rank {lag[0]})") from error
         if error is not None:
             raise error
-        if failed is not None:
-            raise RuntimeError(f"the optimizer step failed on rank {failed[0]}: {failed[1]}")
+        raise RuntimeError(text)
 
     def _completed(self, job: Job) -> None:
         """A job of this step is done (on the caller's thread, while the worker steps the rest):

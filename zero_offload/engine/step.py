@@ -254,6 +254,9 @@ class StepPipeline:
         self._submitted = 0
         self._finished = 0
         self._handed = 0  # jobs of `done` handed to drain's `each` so far
+        # The first job of the last drain whose hand-over failed or was interrupted: its state
+        # moved on, but its step count or compute copy may not have followed.
+        self.failed_hand_over: str | None = None
         self._worker: threading.Thread | None = None
         if kernel.host:
             self._worker = threading.Thread(target=self._loop, name="zero-offload-step", daemon=True)
@@ -318,7 +321,7 @@ class StepPipeline:
         (Ctrl-C) while waiting is handled alike: the worker finishes the job it is stepping and
         skips the rest, every job it stepped is handed over, then the interrupt is raised; the
         state stays consistent and training may go on."""
-        self._handed, failure = 0, None
+        self._handed, failure, self.failed_hand_over = 0, None, None
         try:
             while True:
                 with self._idle:
@@ -350,12 +353,12 @@ class StepPipeline:
         failed hand-over, like an error)."""
         while self._handed < end:
             job = self.done[self._handed]
-            self._handed += 1
-            if each is None:
-                continue
-            try:
-                each(job)
+            try:  # counted inside the try: an interrupt just after is a failed hand-over, not a skipped job
+                self._handed += 1
+                if each is not None:
+                    each(job)
             except BaseException as exc:
+                self.failed_hand_over = self.failed_hand_over or job.key
                 if failure is None:
                     failure = exc
                     self._stop(exc)
