@@ -44,7 +44,17 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the figures here as JSON")
-    return ap.parse_args()
+    a = ap.parse_args()
+    if min(a.width, a.layers, a.heads, a.seq, a.batch) < 1 or a.steps < 0 or a.width % a.heads:
+        ap.error("--width/--layers/--heads/--seq/--batch must be >= 1, --steps >= 0, --heads must divide --width")
+    if not os.path.isdir(a.nvme_dir) or not os.access(a.nvme_dir, os.W_OK):
+        ap.error(f"--nvme-dir {a.nvme_dir}: not a writable directory")
+    if a.out:
+        try:
+            open(a.out, "a").close()
+        except OSError as e:
+            ap.error(f"--out {a.out}: {e.strerror}")
+    return a
 
 
 def peak_rss() -> int:

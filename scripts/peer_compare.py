@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--override", default="{}", help="JSON merged into our configs, e.g. '{\"overlap_step\": false}'")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    if not os.path.isfile(args.peer_script):
+        p.error(f"--peer-script {args.peer_script}: no such file")
+    try:
+        if not isinstance(json.loads(args.override), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        p.error(f"--override: {e}")
+    if not args.worker and not args.only_ours:
+        ok = os.access(args.ds_python, os.X_OK) and subprocess.run(
+            [args.ds_python, "-c", "import deepspeed"], capture_output=True).returncode == 0
+        if not ok:
+            p.error(f"--ds-python {args.ds_python}: not a python with deepspeed (or pass --only-ours)")
+    return args
 
 
 def _peer_module(path: str) -> Any:
@@ -158,8 +174,22 @@ def run_ours(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any
 
 
 def orchestrate(args: argparse.Namespace) -> None:
-    root = args.workdir or tempfile.mkdtemp(prefix="peer_compare_", dir="/work" if os.path.isdir("/work") else None)
-    os.makedirs(root, exist_ok=True)
+    try:
+        root = args.workdir or tempfile.mkdtemp(prefix="peer_compare_", dir="/work" if os.path.isdir("/work") else None)
+        os.makedirs(root, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as e:
+        raise SystemExit(f"peer_compare: --workdir {args.workdir}: {e.strerror}")
+    try:
+        _orchestrate(args, root)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"peer_compare: {e}")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _orchestrate(args: argparse.Namespace, root: str) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
         for peer_name, ours in PAIRS:
@@ -169,8 +199,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                 results.setdefault(name, []).append(res)
                 print(f"round {r + 1}: {name:20} {res['total_s_median']:.3f} s/step", file=sys.stderr, flush=True)
     summary = {name: {k: statistics.median([x[k] for x in runs]) for k in runs[0] if k.endswith("_median")}
-               | {"disk_read_mib_per_step": runs[-1]["disk_read_mib_per_step"],
-                  "disk_write_mib_per_step": runs[-1]["disk_write_mib_per_step"],
+               | {k: statistics.median([x[k] or 0 for x in runs])
+                  for k in ("disk_read_mib_per_step", "disk_write_mib_per_step")} | {
                   "peak_rss_mib": max(x["peak_rss_mib"] or 0 for x in runs)}
                for name, runs in results.items()}
     if args.json:
@@ -188,7 +218,9 @@ def _print_table(summary: dict[str, dict[str, Any]]) -> None:
     base = summary.get("torch", {}).get("total_s_median")
     for peer_name, ours in PAIRS:
         if ours in summary and peer_name in summary:
-            print(f"{ours} vs DeepSpeed {peer_name}: {summary[peer_name]['total_s_median'] / summary[ours]['total_s_median']:.2f}x faster")
+            speedup = summary[peer_name]["total_s_median"] / summary[ours]["total_s_median"]
+            verdict = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+            print(f"{ours} vs DeepSpeed {peer_name}: {verdict}")
         if ours in summary and base:
             print(f"{ours} vs plain torch loop: {summary[ours]['total_s_median'] / base:.2f}x the torch step time")
 
