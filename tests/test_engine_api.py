@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -60,7 +61,9 @@ def test_lr_scheduler_drives_the_engine_lr() -> None:
         x, y = batch(step, 2)
         engine.backward(engine(x, y))
         engine.step()
-        sched.step()
+        with warnings.catch_warnings():  # the scheduler saw the engine's update ("before optimizer.step()" otherwise)
+            warnings.simplefilter("error")
+            sched.step()
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
     assert engine.grad_norm is None  # the overlapped step never needs the total (see Engine.grad_norm)
     engine.close()
@@ -167,4 +170,20 @@ def test_load_refuses_a_missing_checkpoint(tmp_path) -> None:
     engine = _engine()
     with pytest.raises(CheckpointError, match="no checkpoint at .*: manifest.json is missing"):
         engine.load_checkpoint(str(tmp_path / "none"))
+    engine.close()
+
+
+def test_a_loop_ported_from_plain_torch_is_told_where_the_update_is() -> None:
+    """engine.optimizer.step() did nothing, silently (the next forward then complained about a
+    missing engine.step()); engine.train() / engine.eval() did not exist, as they do on
+    DeepSpeed's engine."""
+    engine = _engine()
+    assert engine.eval() is engine and not engine.module.training
+    assert engine.train() is engine and engine.module.training
+    x, y = batch(0, 2)
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match=r"engine.optimizer.step\(\): the update is applied by engine.step\(\)"):
+        engine.optimizer.step()
+    engine.optimizer.zero_grad()  # harmless: the engine clears gradients itself
+    assert engine.step() is True
     engine.close()

@@ -163,6 +163,17 @@ class Engine:
 
     forward = __call__
 
+    def train(self, mode: bool = True) -> Engine:
+        """`engine.module.train(mode)`, as on DeepSpeed's engine (an nn.Module): dropout and norms
+        follow it; which parameters train is fixed at initialize."""
+        self._require_open("train")
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """`engine.module.eval()`; run evaluation forwards under torch.no_grad()."""
+        return self.train(False)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (scaled for fp16); gradients are reduced and stepped as they arrive."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -49,9 +49,23 @@ class HyperParams(torch.optim.Optimizer):
         o = config.optimizer
         super().__init__([{"params": [], **g} for g in groups or [{}]],
                          dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay))
+        self._engine_stepping = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # noqa: ARG002
-        return None
+        """Called by the engine's step (through the wrapper LR schedulers put on it, so they see
+        an update happened); a loop ported from plain torch that calls it itself is told where
+        the update is, instead of finding out at the next forward."""
+        if not self._engine_stepping:
+            raise RuntimeError("engine.optimizer.step(): the update is applied by engine.step() after "
+                               "engine.backward(loss); engine.optimizer holds the hyperparameters for schedulers")
+
+    def record_step(self) -> None:
+        """The engine applied an update: step() through whatever wraps it (schedulers count it)."""
+        self._engine_stepping = True
+        try:
+            self.step()
+        finally:
+            self._engine_stepping = False
 
     def state_dict(self) -> dict[str, Any]:
         """Refused: torch's answer here would hold no state at all ({'state': {}}), and a loop that
@@ -217,7 +231,7 @@ class ShardOptimizer:
             self._end_step()
         self._agree(error, self.pipeline.failed_hand_over)
         if applied:
-            self.optimizer.step()
+            self.optimizer.record_step()
         return applied
 
     def abandon_step(self) -> None:
