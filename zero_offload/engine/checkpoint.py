@@ -16,7 +16,10 @@ Layout of a checkpoint directory:
                          model.pt's (rank 0's) only when the world size is unchanged
   model.pt               buffers and frozen parameters that live in the module itself
   manifest.crc32         the manifest's own CRC32 (manifest_checks.py)
-All .pt files hold plain tensors only and are read with torch.load(weights_only=True); the
+  client_state.pt        what the caller passed as save_checkpoint's client_state (rank 0's: an
+                         LR scheduler's state_dict, a data loader's position), if anything; its
+                         size and CRC32 are in the manifest
+All .pt files except client_state.pt hold plain tensors only and are read with torch.load(weights_only=True); the
 manifest also holds the CRC32 of every rank{r}.json.
 
 Saving happens only at a gradient-accumulation boundary (partial gradient sums are not part of a
@@ -40,6 +43,7 @@ path that is or holds the current directory. Multi-node saving needs `path` on a
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 
 FORMAT = 1
 MARKER = ".zero_offload_checkpoint"  # written first into every save's directory: a save's own leftovers
+CLIENT_FILE = "client_state.pt"
 PAUSE_ENV = "ZERO_OFFLOAD_TEST_SAVE_PAUSE"  # tests: seconds to sleep after the first shard file
 
 
@@ -139,18 +144,20 @@ def _non_trainable(engine: "Engine") -> dict[str, torch.Tensor]:
             if id(v) not in trainable and id(v) not in in_units}
 
 
-def save(engine: "Engine", path: str) -> None:
+def save(engine: "Engine", path: str, client_state: dict[Any, Any] | None = None) -> None:
     """Write `engine`'s whole training state to `path` atomically (a collective). The ranks agree
     after each phase (rank 0 making `<path>.tmp`, every rank writing its files, rank 0's manifest
     and swap), so a failure on any rank raises on all of them instead of leaving the others
-    waiting; the previous checkpoint stays in place."""
+    waiting; the previous checkpoint stays in place. Rank 0's `client_state` is saved beside."""
     path = _checked_path(path)
     tmp, rank = path + ".tmp", comm.rank()
-    _agree(_attempt(_check_target, path), "will not save there")
+    client: list[bytes | None] = [None]
+    _agree(_attempt(_check_target, path) or (_attempt(_serialize_client, client_state, client) if rank == 0 else None),
+           "will not save there")
     try:
         _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
         _agree(_attempt(_write_rank, engine, tmp), "could not write its part of the checkpoint")
-        _agree(_attempt(_finish, engine, tmp, path) if rank == 0 else None, "could not finish the checkpoint")
+        _agree(_attempt(_finish, engine, tmp, path, client[0]) if rank == 0 else None, "could not finish the checkpoint")
     except BaseException:
         # Every rank has agreed on the failure (or this one was interrupted): the half-written
         # save goes, so it neither fills the disk nor is mistaken for a checkpoint. The
@@ -158,6 +165,26 @@ def save(engine: "Engine", path: str) -> None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _serialize_client(state: Any, out: list[bytes | None]) -> None:
+    """`state`'s bytes, checked to load back without unpickling objects (as every load reads
+    it: weights_only=True), before anything is written: a scheduler holding a lambda fails
+    here, in one line, not at the resume."""
+    if state is None:
+        return
+    if not isinstance(state, dict):
+        raise CheckpointError(f"save_checkpoint: client_state must be a dict, got {type(state).__name__}")
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+        torch.load(io.BytesIO(buf.getvalue()), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [repr(exc)]
+        why = next((ln for ln in lines if "Unsupported global" in ln), lines[0])  # torch names the type there
+        raise CheckpointError("save_checkpoint: client_state holds something a weights-only load refuses "
+                              f"(plain containers, numbers, strings and tensors only): {why}") from None
+    out[0] = buf.getvalue()
 
 
 def _attempt(fn: Any, *args: Any) -> Exception | None:
@@ -233,10 +260,11 @@ def _check_target(path: str) -> None:
                                   "checkpoint (no manifest.json); saving would remove it")
 
 
-def _finish(engine: "Engine", tmp: str, path: str) -> None:
+def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) -> None:
     """Rank 0: the manifest (with every rank's checksums), then the atomic swap into `path`."""
     rt = engine.runtime
     files = {"model.pt": _save_tensors(_non_trainable(engine), os.path.join(tmp, "model.pt"))}
+    extra = {} if client is None else {"client_state": _write_client(client, tmp)}
     writers = [0] if rt.replicated else list(range(comm.world_size()))
     maps = {}
     for r in writers:
@@ -257,7 +285,7 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
                 "maps": maps, "files": files,
-                "sizes": {name: os.path.getsize(os.path.join(tmp, name)) for name in files}}
+                "sizes": {name: os.path.getsize(os.path.join(tmp, name)) for name in files}, **extra}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
     with open(os.path.join(tmp, "manifest.json"), "rb") as f, _writing(os.path.join(tmp, manifest_checks.CRC_FILE)):
         manifest_checks.write_crc(tmp, f.read())
@@ -269,6 +297,31 @@ def _finish(engine: "Engine", tmp: str, path: str) -> None:
     os.rename(tmp, path)
     _fsync_file(os.path.dirname(path) or ".")
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_client(data: bytes, tmp: str) -> dict[str, int]:
+    path = os.path.join(tmp, CLIENT_FILE)
+    with _writing(path), open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(data), "crc32": zlib.crc32(data)}
+
+
+def _read_client(root: str, manifest: dict[str, Any]) -> dict[Any, Any] | None:
+    """The saved client_state, checked against the manifest's size and CRC32; None if none was saved."""
+    entry = manifest.get("client_state")
+    if entry is None:
+        return None
+    full = os.path.join(root, CLIENT_FILE)
+    try:
+        with open(full, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {full}: {_why(exc)}") from None
+    if len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]:
+        raise CheckpointError(f"checkpoint file {full}: its size or checksum differs from the manifest")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _resolve(path: str) -> str:
@@ -340,9 +393,10 @@ class _Load:
     non_trainable: list[tuple[torch.Tensor, torch.Tensor]]
     rng: dict[str, torch.Tensor] | None
     same_world: bool
+    client_state: dict[Any, Any] | None = None
 
 
-def load(engine: "Engine", path: str) -> None:
+def load(engine: "Engine", path: str) -> dict[Any, Any] | None:
     """Restore `engine` from `path`, which may come from another world size or tier config.
     Every rank checks everything before any rank changes anything, and the ranks agree on the
     outcome of each phase, so a checkpoint one rank refuses is refused by all (none is left
@@ -359,6 +413,7 @@ def load(engine: "Engine", path: str) -> None:
     engine.runtime.refresh_params()
     engine.load_failed = None
     comm.barrier()
+    return plan.client_state
 
 
 def _agree(error: BaseException | None, what: str) -> None:
@@ -408,7 +463,7 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     if same_world and own in manifest["files"]:  # this rank's own buffers, as it left them
         module_held.update(_own_buffers(reader.get(own), module_held, os.path.join(root, own)))
     return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, module_held, root),
-                 _rng(reader, manifest) if same_world else None, same_world)
+                 _rng(reader, manifest) if same_world else None, same_world, _read_client(root, manifest))
 
 
 def _own_buffers(saved: dict[str, torch.Tensor], model_pt: dict[str, torch.Tensor], full: str) -> dict[str, torch.Tensor]:

@@ -329,7 +329,10 @@ class Engine:
             print(report["table"])
         return report
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, client_state: dict[Any, Any] | None = None) -> None:
+        """Save the whole training state atomically (a collective). `client_state` (rank 0's) is
+        saved beside it and returned by load_checkpoint: an LR scheduler's state_dict(), the data
+        position; plain containers, numbers, strings and tensors only (loads never unpickle)."""
         from zero_offload.engine.checkpoint import save
 
         self._require_idle("save_checkpoint")
@@ -339,22 +342,24 @@ class Engine:
             raise EngineStateError(f"engine.save_checkpoint after micro-batch {self.micro_step % gas} of {gas} of a "
                                    "gradient-accumulation cycle: partial gradient sums are not saved; save after the "
                                    "step that ends the cycle")
-        save(self, path)
+        save(self, path, client_state)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore the training state saved at `path`. If it fails once it has begun changing the
-        engine (a shard file fails its checksum), the engine refuses to train or save until a load
-        succeeds; every other problem is found before anything changes."""
+    def load_checkpoint(self, path: str) -> dict[Any, Any] | None:
+        """Restore the training state saved at `path`; returns the client_state saved with it (None
+        if none was). If it fails once it has begun changing the engine (a shard file fails its
+        checksum), the engine refuses to train or save until a load succeeds; every other problem
+        is found before anything changes."""
         from zero_offload.engine.checkpoint import load
 
         self._require_idle("load_checkpoint")
         try:
-            load(self, path)
+            client_state = load(self, path)
         except BaseException as exc:
             if self.load_failed is not None:
                 self.load_failed = f"{type(exc).__name__}: {exc}"
             raise
         self.stopped = None  # the partial sums and every replica were rewritten with the rest of the state
+        return client_state
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.

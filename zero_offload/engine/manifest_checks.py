@@ -98,9 +98,11 @@ def check(manifest: Any) -> None:
     for r in manifest["writers"]:
         if r >= manifest["world"]:
             raise ManifestError(f"writers names rank {r} of a world of {manifest['world']}")
-    for key in ("sizes", "maps"):
+    for key in ("sizes", "maps", "client_state"):
         if key in manifest and not _counts(manifest[key]):
             raise ManifestError(f"{key} is not a table of non-negative integers")
+    if "client_state" in manifest and set(manifest["client_state"]) != {"size", "crc32"}:
+        raise ManifestError("client_state is not a size and a crc32")
 
 
 def _fields(obj: dict, spec: dict[str, tuple[Callable[[Any], bool], str]], prefix: str, *, required: bool) -> None:
