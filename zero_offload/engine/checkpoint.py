@@ -38,7 +38,9 @@ Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 th
 old one. A crash at any point leaves either `<path>` or `<path>.old` complete, and load() takes
 `<path>.old` when `<path>` is missing. A save refuses a `<path>`, `<path>.tmp` or `<path>.old` that
 holds anything but a checkpoint or a save's leftovers (each save marks its directory first), and a
-path that is or holds the current directory. Multi-node saving needs `path` on a shared file system.
+path that is or holds the current directory. Multi-node saving needs `path` on a file system shared by
+every rank: rank 0's marker holds a token every rank checks before writing, and a load checks that
+every rank read the same manifest.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import contextlib
 import io
 import json
 import os
+import secrets
 import shutil
 import time
 import zlib
@@ -155,8 +158,10 @@ def save(engine: "Engine", path: str, client_state: dict[Any, Any] | None = None
     _agree(_attempt(_check_target, path) or (_attempt(_serialize_client, client_state, client) if rank == 0 else None),
            "will not save there")
     try:
-        _agree(_attempt(_make_tmp, tmp) if rank == 0 else None, "could not start the checkpoint")
-        _agree(_attempt(_write_rank, engine, tmp), "could not write its part of the checkpoint")
+        token = secrets.token_hex(8) if rank == 0 else None
+        _agree(_attempt(_make_tmp, tmp, token) if rank == 0 else None, "could not start the checkpoint")
+        token = comm.gather_objects(token)[0]
+        _agree(_attempt(_write_rank, engine, tmp, token), "could not write its part of the checkpoint")
         _agree(_attempt(_finish, engine, tmp, path, client[0]) if rank == 0 else None, "could not finish the checkpoint")
     except BaseException:
         # Every rank has agreed on the failure (or this one was interrupted): the half-written
@@ -204,15 +209,32 @@ def _checked_path(path: Any) -> str:
     return os.path.abspath(os.fspath(path))
 
 
-def _make_tmp(tmp: str) -> None:
+def _make_tmp(tmp: str, token: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's, or absent (_check_target checked it)
     os.makedirs(tmp)
-    open(os.path.join(tmp, MARKER), "w").close()
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        f.write(token)
 
 
-def _write_rank(engine: "Engine", tmp: str) -> None:
+def _check_shared(tmp: str, token: str) -> None:
+    """Every rank writes into rank 0's `<path>.tmp`: on a path that is not on a file system shared
+    by all ranks (a node-local disk, a relative path under another working directory), a rank
+    would write into a directory of its own, or a crashed save's leftover, and the checkpoint
+    would lack its files. Rank 0's token in the marker says it is the same directory."""
+    try:
+        with open(os.path.join(tmp, MARKER)) as f:
+            seen = f.read()
+    except OSError:
+        seen = None
+    if seen != token:
+        raise CheckpointError(f"save_checkpoint: {tmp} is not the directory rank 0 made: a checkpoint path must be "
+                              "on a file system shared by every rank (the same absolute path on every node)")
+
+
+def _write_rank(engine: "Engine", tmp: str, token: str) -> None:
     """This rank's shard files and shard map (one rank at stage 0: the shards are replicated),
     and its RNG states."""
+    _check_shared(tmp, token)
     rt, opt, rank = engine.runtime, engine.runtime.shard_optimizer, comm.rank()
     files: dict[str, dict[str, Any]] = {}
     if rank == 0 or not rt.replicated:
@@ -274,10 +296,12 @@ def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) 
         maps[name] = zlib.crc32(raw)
         files.update(json.loads(raw)["files"])
     for r in range(comm.world_size()):  # every rank wrote its RNG states (and with D > 1 its buffers)
-        for name in (f"rank{r}.rng.pt", f"rank{r}.buffers.pt"):
-            if os.path.exists(os.path.join(tmp, name)):
-                saved = torch.load(os.path.join(tmp, name), map_location="cpu", weights_only=True)
-                files[name] = {k: _describe(v) for k, v in saved.items()}
+        for name in (f"rank{r}.rng.pt", *([f"rank{r}.buffers.pt"] if comm.world_size() > 1 else [])):
+            if not os.path.exists(os.path.join(tmp, name)):
+                raise CheckpointError(f"save_checkpoint: rank {r}'s {name} is not in {tmp}: is the path on a file "
+                                      "system shared by every rank?")
+            saved = torch.load(os.path.join(tmp, name), map_location="cpu", weights_only=True)
+            files[name] = {k: _describe(v) for k, v in saved.items()}
     sd = rt.shard_optimizer.state_dict_scalars()
     manifest = {"format": FORMAT, "world": comm.world_size(), "stage": engine.config.stage,
                 "precision": engine.config.precision.dtype, "writers": writers,
@@ -408,12 +432,29 @@ def load(engine: "Engine", path: str) -> dict[Any, Any] | None:
         refused = exc if isinstance(exc, CheckpointError) else CheckpointError(f"checkpoint {path}: {exc!r}")
     _agree(refused, "refused the checkpoint")
     assert plan is not None
+    _same_checkpoint(plan.root)
     engine.load_failed = "a load is in progress"  # cleared below: a failure from here on leaves a mixture
     _agree(_attempt(_apply, engine, plan), "failed part way through loading the checkpoint")
     engine.runtime.refresh_params()
     engine.load_failed = None
     comm.barrier()
     return plan.client_state
+
+
+def _same_checkpoint(root: str) -> None:
+    """Every rank resolved `path` on its own: node-local copies that differ (another step's), or
+    `path` on one rank and `path.old` on another, would load a mixture. The manifests' bytes
+    must be equal on every rank (they name every file's checksum)."""
+    try:
+        with open(os.path.join(root, "manifest.json"), "rb") as f:
+            mine: int | None = zlib.crc32(f.read())
+    except OSError:  # still agreed: every rank reaches the gather
+        mine = None
+    seen = comm.gather_objects((mine, root))
+    if any(crc != seen[0][0] for crc, _ in seen):
+        where = ", ".join(f"rank {r}: {d} (manifest crc32 {c})" for r, (c, d) in enumerate(seen))
+        raise CheckpointError(f"the ranks found different checkpoints ({where}): load from a path on a file "
+                              "system shared by every rank, or identical copies")
 
 
 def _agree(error: BaseException | None, what: str) -> None:
