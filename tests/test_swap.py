@@ -299,6 +299,30 @@ def test_directory_of_a_live_store_is_refused(tmp_path: Path) -> None:
             _store([tmp_path])
 
 
+def test_a_live_store_whose_owner_is_not_in_this_process_table_is_refused(tmp_path: Path) -> None:
+    """A process in another container (or on another host over NFS) sharing the path: its pid
+    means nothing here, so the live store looked like a crashed run's and was taken over (or
+    removed) under it. The owner's lock on swap.bin refuses it; its files stay as they were."""
+    import json
+
+    with _store([tmp_path]) as live:
+        live.register("k", 5000)
+        live.write("k", torch.ones(5000, dtype=torch.uint8)).wait()
+        d = tmp_path / "zero_offload-t-rank0"
+        manifest = json.loads((d / "manifest.json").read_text())
+        (d / "manifest.json").write_text(json.dumps({**manifest, "pid": 2**22 + 7}))  # "not running here"
+        before = sorted(os.listdir(d)), (d / "swap.bin").stat().st_size
+        with pytest.raises(SwapError, match=rf"swap dir {d} is in use by a process that holds its lock \(pid "
+                                            rf"{2**22 + 7} in its manifest is not running here"):
+            _store([tmp_path])
+        with pytest.raises(SwapError, match="is in use by a process that holds its lock"):  # nor removed with a new size
+            _store([tmp_path], capacity=1 << 20)
+        assert (sorted(os.listdir(d)), (d / "swap.bin").stat().st_size) == before
+        back = torch.zeros(5000, dtype=torch.uint8)
+        live.read("k", back).wait()
+        assert torch.equal(back, torch.ones(5000, dtype=torch.uint8))
+
+
 def test_misuse_is_a_one_line_error(tmp_path: Path) -> None:
     with _store([tmp_path], capacity=1 << 20) as st:
         st.register("k", 100)

@@ -3,11 +3,15 @@
 Layout: `<path>/zero_offload-<name>-rank<rank>/` (0700) holds `swap.bin` (0600) and
 `manifest.json`, which names the owning process. A directory left by a crashed run (its owner is
 dead) is reused when the manifest matches what is asked now, and removed otherwise, with a
-message either way; one whose owner still runs is refused.
+message either way; one whose owner still runs is refused. The manifest's pid can only be looked
+up in this host's (this container's) process table, so the owner also holds an exclusive flock
+on swap.bin for the store's life: a process on another host sharing the path (NFS) or in another
+container on the same disk is refused too, instead of taking over or removing live files.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -117,6 +121,10 @@ class SwapFile:
             who = (f"another engine of this process (pid {old['pid']}): close() it first" if old["pid"] == os.getpid()
                    else f"running process {old['pid']}")
             raise SwapError(errno.EBUSY, f"swap dir {self.dir} is in use by {who}")
+        if _locked(self.path):
+            raise SwapError(errno.EBUSY, f"swap dir {self.dir} is in use by a process that holds its lock (pid "
+                                         f"{(old or {}).get('pid')} in its manifest is not running here: another "
+                                         "host or container?)")
         why = self._mismatch(old)
         if why is None:
             log.warning("reusing swap file %s left by a crashed run (pid %s)", self.path, old["pid"])
@@ -162,6 +170,18 @@ class SwapFile:
         self.fd = fd
         if self.direct:
             self._reopen_direct()
+        self._lock()
+
+    def _lock(self) -> None:
+        """An exclusive flock on the final fd, held until remove() closes it (see the module doc)."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.warning("%s: no file locks here (%s): only the manifest's pid guards it", self.path, exc.strerror)
+                return
+            self.owns_dir = False  # another process took it over first: its files, not ours to remove
+            raise SwapError(errno.EBUSY, f"swap file {self.path} is locked by another process") from None
 
     def _reopen_direct(self) -> None:
         """Swap the fd for an O_DIRECT one; a filesystem that refuses it keeps buffered I/O."""
@@ -218,6 +238,21 @@ class SwapFile:
             pass
         except OSError as exc:
             log.warning("swap dir %s not removed: %s", self.dir, exc.strerror)
+
+
+def _locked(path: str) -> bool:
+    """Whether another open file holds the exclusive flock on `path` (see SwapFile._lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the close below
+        return False
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
 
 
 def open_direct(path: str) -> int:
