@@ -69,3 +69,50 @@ def test_a_partial_launcher_environment_is_a_clear_error(monkeypatch: pytest.Mon
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT not set: launch with torchrun"):
         comm.join_launcher_group()
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 is not below WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK=-1 must be >= 0"),
+])
+def test_a_bad_launcher_variable_is_named_in_one_line(env: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK=5 of 2 aborted that rank inside gloo (the others waited); a WORLD_SIZE that is not
+    plain digits (" 2") trained silently at D = 1."""
+    from zero_offload import comm
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("RANK", "0")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match=message):
+        comm.join_launcher_group()
+
+
+def test_a_blank_padded_world_size_is_read_as_its_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zero_offload import comm
+
+    monkeypatch.setenv("WORLD_SIZE", " 2")
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT not set"):
+        comm.join_launcher_group()
+
+
+@pytest.mark.parametrize("local,message", [("a", "LOCAL_RANK='a' is not an integer"),
+                                           ("12", "LOCAL_RANK=12 but this process sees 8 GPUs")])
+def test_a_bad_local_rank_is_named_before_any_gpu_is_touched(local: str, message: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bare int() ValueError, or a device index past the GPUs (checked with CUDA faked: the
+    error comes before anything touches a device)."""
+    import torch
+
+    from zero_offload.engine.engine import _device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    with pytest.raises(RuntimeError, match=message):
+        _device_for(torch.nn.Linear(2, 2))

@@ -8,6 +8,7 @@ an equivalent composition here, and only here.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -25,15 +26,38 @@ def join_launcher_group() -> bool:
     one the launcher describes: NCCL when CUDA is present, gloo otherwise. Without this every
     rank would silently train a replica of its own at D = 1. True when this call created it;
     a group the user made first is used as it is."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    if is_distributed() or not world.isdigit() or int(world) <= 1:
+    world = env_int("WORLD_SIZE", 1, low=1)
+    if is_distributed():
+        if world > 1 and dist.get_world_size() != world:  # a group of one per rank trains D replicas apart
+            warnings.warn(f"the process group has {dist.get_world_size()} rank(s) but WORLD_SIZE={world}: "
+                          "training at the group's size", stacklevel=3)
+        return False
+    if world <= 1:
         return False
     missing = [v for v in LAUNCHER_VARS if not os.environ.get(v)]
     if missing:
         raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch with torchrun, or call "
                            "torch.distributed.init_process_group before zero_offload.initialize")
+    rank = env_int("RANK", 0, low=0)
+    if rank >= world:  # gloo would abort this rank in C++ and leave the others waiting
+        raise RuntimeError(f"RANK={rank} is not below WORLD_SIZE={world}")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return True
+
+
+def env_int(name: str, default: int, *, low: int) -> int:
+    """An integer launcher variable (surrounding blanks allowed), or a one-line error naming it:
+    a WORLD_SIZE of " 2" used to train silently at D = 1."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RuntimeError(f"{name}={os.environ[name]!r} is not an integer") from None
+    if value < low:
+        raise RuntimeError(f"{name}={value} must be >= {low}")
+    return value
 
 
 def world_size() -> int:

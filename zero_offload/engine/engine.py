@@ -69,10 +69,12 @@ def _device_for(model: torch.nn.Module) -> torch.device:
     CUDA peak is this engine's, not an earlier one's in the same process."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local = os.environ.get("LOCAL_RANK")
-    index = torch.cuda.current_device() if local is None else int(local)
+    local = comm.env_int("LOCAL_RANK", -1, low=0)
+    index = torch.cuda.current_device() if local < 0 else local
     if torch.cuda.device_count() == 1:
         index = 0
+    elif index >= torch.cuda.device_count():
+        raise RuntimeError(f"LOCAL_RANK={index} but this process sees {torch.cuda.device_count()} GPUs")
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
     torch.cuda.reset_peak_memory_stats(device)
