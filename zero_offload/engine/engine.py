@@ -406,8 +406,9 @@ def initialize(model: torch.nn.Module, config: Config | dict | str | None = None
 
     At stage 3 a model built on the meta device is materialized unit by unit, from `init_fn`
     (called per module after the module's own reset_parameters, as `model.apply(init_fn)` after
-    eager construction would) or from `weights` (a .safetensors file or a
-    torch state-dict file, memory-mapped), so a model larger than host RAM is never whole in memory.
+    eager construction would) or from `weights` (a .safetensors file, a torch state-dict file, a
+    Hugging Face index of shards, or a folder holding one; memory-mapped, weights_files.py), so a
+    model larger than host RAM is never whole in memory.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"initialize expects a torch.nn.Module, got {type(model).__name__}")

@@ -1,9 +1,10 @@
 """Initial weights for stage 3, one unit at a time, so no more than one unit is ever whole in RAM.
 
 A model may be built normally (its parameters hold the weights), or on the meta device (nothing
-allocated). For a meta model the weights come from a file (`weights=`: a .safetensors file, read
-through mmap by the small reader below, or a torch state dict, `torch.load(mmap=True)`), or from
-an init function called on each module (default: its `reset_parameters()`), in module order.
+allocated). For a meta model the weights come from files (`weights=`: a .safetensors file, a torch
+state dict, a Hugging Face index of shards or a folder holding one, all memory-mapped and read
+lazily: weights_files.py), or from an init function called on each module (default: its
+`reset_parameters()`), in module order.
 
 Meta parameters cannot take real data in place (torch refuses `.data =` across the meta device),
 so they are replaced by new nn.Parameter objects, once, in every module that registers them:
@@ -17,19 +18,15 @@ bias is initialized all the same.
 """
 from __future__ import annotations
 
-import json
-import mmap
-import struct
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
-InitFn = Callable[[nn.Module], None]
+# The weight files' readers live in weights_files.py; their names stay importable from here.
+from zero_offload.engine.weights_files import load_safetensors, open_weights, save_safetensors  # noqa: F401
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+InitFn = Callable[[nn.Module], None]
 
 
 def default_init(module: nn.Module) -> None:
@@ -38,50 +35,6 @@ def default_init(module: nn.Module) -> None:
     reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
     if callable(reset):
         reset()
-
-
-def load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a .safetensors file as read-only views of a private mmap (nothing read up front)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    out: dict[str, torch.Tensor] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        lo, hi = meta["data_offsets"]
-        dtype = _ST_DTYPES[meta["dtype"]]
-        flat = torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=8 + n + lo) if hi > lo else \
-            torch.empty(0, dtype=torch.uint8)
-        out[name] = flat.view(dtype).reshape(meta["shape"])
-    return out
-
-
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
-    """Write a .safetensors file (used by the tests and the bigger-than-RAM demo)."""
-    names = {v: k for k, v in _ST_DTYPES.items()}
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors.values():
-            f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-
-
-def open_weights(path: str) -> Mapping[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        return load_safetensors(path)
-    sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(sd, Mapping):
-        raise ValueError(f"weights file {path} holds a {type(sd).__name__}, expected a state dict")
-    return sd
 
 
 def replace_meta_params(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[int, nn.Parameter]:

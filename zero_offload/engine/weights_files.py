@@ -1,0 +1,227 @@
+"""The files a meta model's weights come from (`weights=`), read lazily through mmap.
+
+Accepted: one .safetensors file; one torch state dict (.bin, .pt, .pth: `torch.load` with
+weights_only=True, so nothing but tensors is ever unpickled, and mmap=True, so nothing is read up
+front); a Hugging Face index of shards (*.safetensors.index.json or *.bin.index.json: its
+"weight_map" maps each tensor name to a shard file in the index's folder); or a folder holding
+exactly one of these (see pick_in_folder).
+
+The result is a name -> tensor Mapping whose tensors are views of memory-mapped files: a tensor's
+bytes are read when the unit that needs it copies them. An index gives a ShardedWeights, which
+answers `in`, `len` and iteration from the weight_map alone and maps a shard only when one of its
+tensors is asked for, keeping the OPEN_SHARDS most recently used mapped (units are filled in module
+order, the order Hugging Face writes shards in, so each shard is mapped about once). A tensor
+handed out keeps its shard's mapping alive until it is dropped; the filler copies it at once.
+Mapped pages are clean file pages the kernel may drop under pressure, so a model larger than RAM
+still loads unit by unit.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections import OrderedDict
+from typing import Iterator, Mapping
+
+import torch
+
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool}
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+ACCEPTED = ("a .safetensors file, a torch state dict (.bin, .pt, .pth), a Hugging Face index of shards "
+            "(*.safetensors.index.json, *.bin.index.json), or a folder holding one of these")
+OPEN_SHARDS = 2  # shards mapped at once: the one being read, and the previous one (a tensor tied across)
+
+
+def open_weights(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
+    """The tensors `weights=` names, as a lazy Mapping (see the module docstring)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = pick_in_folder(path)
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"weights {path}: no such file or folder")
+    if path.endswith(INDEX_SUFFIXES):
+        return open_index(path)
+    return open_single(path, f"weights {path}: unknown format; accepted: {ACCEPTED}")
+
+
+def open_single(path: str, unknown: str) -> Mapping[str, torch.Tensor]:
+    """One .safetensors or torch state-dict file; `unknown` is the error for any other name."""
+    if path.endswith(".safetensors"):
+        return load_safetensors(path)
+    if path.endswith(TORCH_SUFFIXES):
+        return load_torch(path)
+    raise ValueError(unknown)
+
+
+# ---- a folder ----
+def pick_in_folder(folder: str) -> str:
+    """The one weights file a folder means. Safetensors first (a Hugging Face repository often
+    ships the same weights in both formats; transformers prefers safetensors too, and it unpickles
+    nothing): its index, or else its one .safetensors file; then the same for torch files. Two
+    candidates of the chosen format are ambiguous and refused, naming them."""
+    names = sorted(os.listdir(folder))
+    for index_suffix, file_suffixes in ((".safetensors.index.json", (".safetensors",)),
+                                        (".bin.index.json", TORCH_SUFFIXES)):
+        indexes = [n for n in names if n.endswith(index_suffix)]
+        files = [n for n in names if n.endswith(file_suffixes)]
+        if indexes or files:
+            return os.path.join(folder, _one_candidate(folder, indexes, files))
+    raise FileNotFoundError(f"weights folder {folder} holds no weights; accepted: {ACCEPTED}")
+
+
+def _one_candidate(folder: str, indexes: list[str], files: list[str]) -> str:
+    """The only index (every file beside it one of its shards), or else the only file."""
+    if len(indexes) == 1:
+        shards = set(read_weight_map(os.path.join(folder, indexes[0])).values())
+        extra = [f for f in files if f not in shards]
+        candidates = indexes + extra
+    else:
+        candidates = indexes or files
+    if len(candidates) > 1:
+        raise ValueError(f"weights folder {folder} is ambiguous: it holds {', '.join(candidates)}; pass the file itself")
+    return candidates[0]
+
+
+# ---- an index of shards ----
+def read_weight_map(path: str) -> dict[str, str]:
+    """An index's weight_map: tensor name -> shard file name (relative to the index's folder)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"weights index {path} is not JSON ({e})") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise ValueError(f"weights index {path} has no weight_map (an object mapping each tensor name to its shard file)")
+    return wm
+
+
+def open_index(path: str) -> ShardedWeights:
+    """Checks the whole index up front (every shard exists and holds the names mapped to it:
+    a safetensors shard's header only, a torch shard's pickle), so a bad index fails at
+    initialize rather than hours into materializing; maps no shard's data."""
+    wm = read_weight_map(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in wm.items():
+        by_shard.setdefault(shard, []).append(name)
+    for shard, names in by_shard.items():
+        _check_shard(path, shard, os.path.join(folder, shard), names)
+    return ShardedWeights(path, {name: os.path.join(folder, shard) for name, shard in wm.items()})
+
+
+def _check_shard(index: str, shard: str, path: str, names: list[str]) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights index {index} names shard {shard}, which does not exist ({path})")
+    if path.endswith(".safetensors"):
+        have = read_safetensors_header(path)[0].keys()
+    elif path.endswith(TORCH_SUFFIXES):
+        have = load_torch(path).keys()
+    else:
+        raise ValueError(f"weights index {index}: shard {shard} is neither .safetensors nor a torch state dict "
+                         f"({', '.join(TORCH_SUFFIXES)})")
+    missing = [n for n in names if n not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"weights index {index} maps '{missing[0]}'{more} to shard {shard}, which has no such tensor")
+
+
+class ShardedWeights(Mapping[str, torch.Tensor]):
+    """name -> tensor over an index's shards, each mapped only while recently used."""
+
+    def __init__(self, index: str, where: dict[str, str]) -> None:
+        self.index, self.where = index, where  # where: tensor name -> its shard's path
+        self._mapped: OrderedDict[str, Mapping[str, torch.Tensor]] = OrderedDict()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._shard(self.where[name])[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.where  # Mapping's default would map the shard to find out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def mapped_shards(self) -> list[str]:
+        """The shards mapped now, least recently used first (for tests and diagnostics)."""
+        return list(self._mapped)
+
+    def _shard(self, path: str) -> Mapping[str, torch.Tensor]:
+        if path in self._mapped:
+            self._mapped.move_to_end(path)
+        else:
+            self._mapped[path] = open_single(path, f"weights index {self.index}: shard {path} has an unknown format")
+            while len(self._mapped) > OPEN_SHARDS:
+                self._mapped.popitem(last=False)  # its tensors still out keep their mapping alive
+        return self._mapped[path]
+
+
+# ---- one file ----
+def load_torch(path: str) -> Mapping[str, torch.Tensor]:
+    """A torch state dict, memory-mapped; weights_only: nothing but tensors is unpickled."""
+    sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"weights file {path} holds a {type(sd).__name__}, expected a state dict")
+    return sd
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """A .safetensors file's JSON header (without "__metadata__") and where its data begins."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if 8 + n > size:
+            raise ValueError(f"weights file {path} is not a safetensors file (too short for its header)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"weights file {path} is not a safetensors file (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"weights file {path} is not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def load_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors file as read-only views of a private mmap (nothing read up front)."""
+    header, start = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return {name: _view(mm, start, name, meta, path) for name, meta in header.items()}
+
+
+def _view(mm: mmap.mmap, start: int, name: str, meta: dict, path: str) -> torch.Tensor:
+    """One tensor of the file; the view keeps the mmap alive (torch.frombuffer holds it)."""
+    dtype = ST_DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise ValueError(f"weights file {path}: '{name}' has dtype {meta['dtype']}, which this reader does not "
+                         f"handle ({', '.join(ST_DTYPES)})")
+    lo, hi = meta["data_offsets"]
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=start + lo) if hi > lo else \
+        torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(meta["shape"])
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """Write a .safetensors file (the tests write their weight files with it)."""
+    names = {v: k for k, v in ST_DTYPES.items()}
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
