@@ -143,3 +143,14 @@ def test_a_bad_parameter_count_is_one_line(text: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError, match="is not a (count|whole number)"):
         parse_count(text)
+
+
+def test_config_check_names_ignored_deepspeed_keys_in_one_note_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Not Python's two-line warning pointing into runpy."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "sub_group_size": 1e9}}')
+    assert cli.main(["config", "--check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{path}: OK" in out
+    assert err.splitlines() == ["zero-offload: note: DeepSpeed key(s) accepted without effect, as they change nothing "
+                                "zero_offload stores or computes: zero_optimization.sub_group_size"]

@@ -121,11 +121,12 @@ def test_deepspeed_zero_optimization_maps_onto_ours() -> None:
 
 
 @pytest.mark.parametrize("ds,needle", [
-    ({"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, "zero_optimization: round_robin_gradients"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}},
+     "not supported by zero_offload: zero_optimization.zero_hpz_partition_size"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x",
-                                                          "max_in_cpu": 0}}},
-     "zero_optimization.offload_param: max_in_cpu"),
-    ({"zero_optimization": {"stage": 1}, "scheduler": {}}, "the DeepSpeed config: scheduler"),
+                                                          "max_in_cpu": 10}}},
+     "zero_optimization.offload_param.max_in_cpu = 10 (DeepSpeed keeps that many parameter elements in CPU memory"),
+    ({"zero_optimization": {"stage": 1}, "scheduler": {}}, "not supported by zero_offload: scheduler (build a "),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "gpu"}}}, "expected none, cpu or nvme"),
     ({"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lamb"}}, "'Lamb' is not supported"),
     ({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, "both bf16 and fp16"),

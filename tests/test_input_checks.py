@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from zero_offload import cli, ledger
+from zero_offload import IgnoredDeepSpeedKeys, cli, ledger
 from zero_offload.bench import adam as bench_adam
 from zero_offload.bench import io as bench_io
 from zero_offload.config import Config, ConfigError
@@ -106,10 +106,11 @@ def test_deepspeed_bad_values_name_the_deepspeed_key(ds: dict, key: str) -> None
 
 
 def test_deepspeed_good_values_still_map() -> None:
-    cfg = Config.from_dict({"zero_optimization": {**Z, "reduce_bucket_size": 5e8, "overlap_comm": False,
-                                                  "contiguous_gradients": True},
-                            "bf16": {"enabled": True}, "gradient_clipping": 1, "gradient_accumulation_steps": 2,
-                            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}}})
+    with pytest.warns(IgnoredDeepSpeedKeys, match="zero_optimization.contiguous_gradients"):
+        cfg = Config.from_dict({"zero_optimization": {**Z, "reduce_bucket_size": 5e8, "overlap_comm": False,
+                                                      "contiguous_gradients": True},
+                                "bf16": {"enabled": True}, "gradient_clipping": 1, "gradient_accumulation_steps": 2,
+                                "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}}})
     assert cfg.bucket_bytes == 2 * 500_000_000 and cfg.overlap_step is False and cfg.clip_grad_norm == 1.0
     assert cfg.precision.dtype == "bf16" and cfg.gradient_accumulation_steps == 2
     assert cfg.optimizer.betas == (0.8, 0.9) and cfg.optimizer.name == "adamw"

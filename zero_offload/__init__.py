@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from zero_offload.config import Config, ConfigError
+from zero_offload.deepspeed_compat import IgnoredDeepSpeedKeys
 
 if TYPE_CHECKING:
     import torch
 
     from zero_offload.engine.engine import Engine
 
-__all__ = ["Config", "ConfigError", "initialize"]
+__all__ = ["Config", "ConfigError", "IgnoredDeepSpeedKeys", "initialize"]
 
 
 def initialize(model: "torch.nn.Module", config: Config | dict | str | None = None, **kwargs: Any) -> "Engine":

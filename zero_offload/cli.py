@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 from zero_offload import ledger
@@ -273,8 +274,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """Validate a config file and print it normalized."""
-    cfg = Config.from_file(args.check)
+    """Validate a config file and print it normalized; DeepSpeed keys accepted without effect are
+    one note line here, not Python's two-line warning pointing into runpy."""
+    from zero_offload.deepspeed_compat import IgnoredDeepSpeedKeys
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", IgnoredDeepSpeedKeys)
+        cfg = Config.from_file(args.check)
+    for w in said:
+        if issubclass(w.category, IgnoredDeepSpeedKeys):
+            print(f"zero-offload: note: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     print(f"{args.check}: OK")
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0

@@ -7,7 +7,9 @@ allowed. Every combination of stage and tiers is either supported or refused wit
 
 Build it from keyword arguments, a dict (`Config.from_dict`), a JSON file (`Config.from_file`)
 or a DeepSpeed config (`Config.from_deepspeed`, see deepspeed_compat.py). Nested sections may
-be given as dicts: `Config(tiers={"optimizer": "cpu"})`.
+be given as dicts: `Config(tiers={"optimizer": "cpu"})`. An unknown keyword is the same one-line
+error as an unknown key in a dict (`_unknown_key`: the closest valid name, or for a DeepSpeed
+name, ours), not Python's TypeError.
 """
 from __future__ import annotations
 
@@ -75,8 +77,22 @@ def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
         _fail(path, value, f"expected one of {', '.join(choices)}")
 
 
+class _Fields:
+    """Base of the config dataclasses: a keyword that is not a field is the ConfigError from_dict
+    gives for the key (closest valid name; for Config, our name for a DeepSpeed one), not the
+    generated __init__'s bare TypeError. Checked in __new__, so the dataclass's own __init__,
+    positional arguments and dataclasses.replace are as they were."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                raise _unknown_key(cls, key)
+        return super().__new__(cls)
+
+
 @dataclass(frozen=True)
-class Tiers:
+class Tiers(_Fields):
     """Where each state group lives: 'device', 'cpu' (pinned host RAM) or 'nvme'.
 
     params: the compute copy's home between uses (off the device only at stage 3).
@@ -94,7 +110,7 @@ class Tiers:
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class PrecisionConfig(_Fields):
     """Compute dtype and, for fp16, the dynamic loss scale (ignored for fp32/bf16)."""
 
     dtype: str = "fp32"
@@ -114,7 +130,7 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(_Fields):
     """The optimizer and its hyperparameters (Adam with L2, or AdamW with decoupled decay)."""
 
     name: str = "adamw"
@@ -140,7 +156,7 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class IOConfig:
+class IOConfig(_Fields):
     """How the NVMe tier talks to the drive (`zero-offload bench-io --write-config` fills it)."""
 
     block_size: int = 8 * MiB
@@ -160,7 +176,7 @@ class IOConfig:
 
 
 @dataclass(frozen=True)
-class Stage3Config:
+class Stage3Config(_Fields):
     """Stage 3: how parameters are grouped into units and how far ahead they are fetched.
 
     live_budget_bytes caps the gathered compute copies alive at once (prefetched ones included).
@@ -195,7 +211,7 @@ _SECTIONS: dict[str, type] = {
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_Fields):
     """The whole configuration surface. See the module docstring for how to build one."""
 
     stage: int = 0
@@ -292,10 +308,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     known = [f.name for f in fields(cls)]
     for key in data:
         if key not in known:
-            where = f"{prefix}.{key}" if prefix else key
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
-            raise ConfigError(f"unknown config key '{where}'{hint}")
+            raise _unknown_key(cls, key)
     kwargs = dict(data)
     for key, value in kwargs.items():
         if cls is Config and key in _SECTIONS and isinstance(value, Mapping):  # sections are top-level only
@@ -303,6 +316,24 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         elif isinstance(value, list):
             kwargs[key] = tuple(value)
     return cls(**kwargs)
+
+
+def _unknown_key(cls: type, key: Any) -> ConfigError:
+    """'unknown config key' naming the closest valid one (else every valid one); at the top level,
+    a DeepSpeed key is pointed to ours, as the closest spelling would mislead (gradient_clipping
+    is not a slip for anything we have)."""
+    section = next((name for name, c in _SECTIONS.items() if c is cls), "")
+    where = f"{section}.{key}" if section else str(key)
+    if cls is Config:
+        from zero_offload.deepspeed_compat import deepspeed_key_hint
+
+        hint = deepspeed_key_hint(str(key))
+        if hint:
+            return ConfigError(f"unknown config key '{where}'{hint}")
+    known = [f.name for f in fields(cls)]
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
+    return ConfigError(f"unknown config key '{where}'{hint}")
 
 
 def _check_combination(c: Config) -> None:

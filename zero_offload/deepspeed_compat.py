@@ -1,13 +1,26 @@
 """Reading a DeepSpeed config, so users can bring the one they already have.
 
-Only keys whose meaning we reproduce are mapped; any other key is an error that names it, so a
-setting the user relies on is never silently dropped. Keys DeepSpeed uses only for its own
-bookkeeping (logging) are listed in _INERT and accepted without effect, because they do not
-change what is stored where or how the step is computed. The batch sizes do: DeepSpeed derives
-the accumulation steps from them (train_batch_size = micro batch x accumulation x world size),
-and so do we (the world size: the process group's, else the launcher's WORLD_SIZE). A dict is
-read as DeepSpeed's when it has a top-level key only DeepSpeed has (`is_deepspeed`), with or
-without zero_optimization, or when it is a bare zero_optimization block.
+A key whose meaning we do not reproduce is never silently dropped. Every key is one of:
+
+- mapped onto our Config: the stage, the offload blocks' tiers and paths, precision, the
+  optimizer, clipping, the batch sizes and the aio block;
+- accepted without effect (_INERT_KEYS): DeepSpeed's logging, and knobs that only tune DeepSpeed's
+  own implementation (its buffer pools, its optimizer tile, which collective it calls), so what is
+  stored where and what the step computes are the same whatever their value. They are still
+  type-checked, and named in one warning (IgnoredDeepSpeedKeys) per config read, so the user
+  knows they did nothing;
+- accepted only with the value that matches what our engine does (_CHECKED_KEYS: max_in_cpu,
+  use_gds, stage3_gather_16bit_weights_on_model_save), as ignoring another value would change
+  what the user gets; that value is refused with the reason;
+- refused: any other key. Every refused key and value, in every section, is listed by its dotted
+  path in ONE error (_refuse_unsupported): stopping at the first section made bringing a config
+  take one run per section. A refused top-level key with an equivalent says what to use instead.
+
+The batch sizes are mapped as DeepSpeed reads them: DeepSpeed derives the accumulation steps from
+them (train_batch_size = micro batch x accumulation x world size), and so do we (the world size:
+the process group's, else the launcher's WORLD_SIZE). A dict is read as DeepSpeed's when it has a
+top-level key only DeepSpeed has (`is_deepspeed`), with or without zero_optimization, or when it
+is a bare zero_optimization block.
 
 Every value we map is type-checked here, under its DeepSpeed name: JSON has no schema, and a
 Python `bool("false")` or `int(True)` would silently turn a slip into a setting. A value Config
@@ -19,28 +32,129 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import warnings
 from dataclasses import fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from zero_offload.config import Config, ConfigError
 
-_INERT = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "dump_state"}
+_FLAG, _COUNT = "true or false", "an integer >= 0"  # the kinds of value an unmapped key must hold
+# Accepted without effect, type-checked (kind; None: unchecked, as DeepSpeed's logging keys always
+# were) and named in one warning. The why, per key, from DeepSpeed's config documentation:
+_INERT_KEYS: dict[tuple[str, ...], str | None] = {
+    # DeepSpeed's own logging and bookkeeping.
+    ("steps_per_print",): None, ("wall_clock_breakdown",): None, ("zero_allow_untested_optimizer",): None,
+    ("dump_state",): None,
+    # Copies gradients into one buffer as they are produced (against fragmentation): our gradients
+    # always sit in flat buffers, and either value gives the same gradients.
+    ("zero_optimization", "contiguous_gradients"): _FLAG,
+    # How long DeepSpeed keeps a gathered stage-3 parameter for reuse: a memory / traffic trade in
+    # its own fetcher. Our gathered units are bounded by stage3.live_budget_bytes (its
+    # stage3_max_live_parameters) and released unit by unit; the weights computed with are the same.
+    ("zero_optimization", "stage3_max_reuse_distance"): _COUNT,
+    # The tile DeepSpeed's offloaded optimizer steps (and swaps) at a time: ours steps its shard in
+    # its own sub-shards, with the same Adam on the same values.
+    ("zero_optimization", "sub_group_size"): _COUNT,
+    # Stage 1-2 with CPU offload: which rank copies which gradient slice to CPU memory. The same
+    # averaged gradient reaches the same optimizer state.
+    ("zero_optimization", "round_robin_gradients"): _FLAG,
+    # Gathering the updated parameters after a step: DeepSpeed's bucket size, and all-gather or a
+    # series of broadcasts. Either way every rank ends with the same values.
+    ("zero_optimization", "allgather_bucket_size"): _COUNT,
+    ("zero_optimization", "allgather_partitions"): _FLAG,
+    # Reduce-scatter (or reduce) instead of all-reduce to average gradients: the same average.
+    ("zero_optimization", "reduce_scatter"): _FLAG,
+    # DeepSpeed's NVMe swap buffer pools (how many, how large): ours is the staging ring, sized by
+    # pinned_budget_bytes. Where state lives is set by the device key, which we map.
+    ("zero_optimization", "offload_optimizer", "buffer_count"): _COUNT,
+    ("zero_optimization", "offload_param", "buffer_count"): _COUNT,
+    ("zero_optimization", "offload_param", "buffer_size"): _COUNT,
+    # How DeepSpeed fills the optimizer's NVMe files at start-up: the same initial state.
+    ("zero_optimization", "offload_optimizer", "fast_init"): _FLAG,
+    # How DeepSpeed's libaio handle submits requests (overlapped; one call per request or one for a
+    # block): ours always keeps io.queue_depth requests in flight. The bytes written are the same.
+    ("aio", "overlap_events"): _FLAG,
+    ("aio", "single_submit"): _FLAG,
+    # Which kernel DeepSpeed's Adam runs (torch's or its fused one): the same maths.
+    ("optimizer", "params", "torch_adam"): _FLAG,
+    # What DeepSpeed's save_16bit_model() writes (the Hugging Face Trainer calls it): an API we do
+    # not have. save_checkpoint and training are the same either way; full weights come from
+    # engine.consolidated_state_dict(). fp16 in the key's older name.
+    ("zero_optimization", "stage3_gather_16bit_weights_on_model_save"): _FLAG,
+    ("zero_optimization", "stage3_gather_fp16_weights_on_model_save"): _FLAG,
+}
+# What a key of _CHECKED_KEYS's verdict is when its value is accepted: what our engine does anyway,
+# or without effect (DeepSpeed itself reads it only in another setting). Any other verdict is the
+# reason its value is refused.
+_OURS, _IGNORED = "ours", "ignored"
+
+
+def _zero_block(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    zero = data.get("zero_optimization")
+    return zero if isinstance(zero, Mapping) else {}
+
+
+def _max_in_cpu(value: Any, data: Mapping[str, Any]) -> str:
+    """offload_param.max_in_cpu: with device nvme, DeepSpeed keeps up to this many parameter
+    elements in CPU memory and only the rest on nvme (its default, 1e9, keeps most models wholly in
+    CPU memory). Our nvme tier keeps every offloaded parameter on nvme, which is what 0 says;
+    with another device DeepSpeed does not read it."""
+    block = _zero_block(data).get("offload_param")
+    if not isinstance(block, Mapping) or block.get("device") != "nvme":
+        return _IGNORED
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return ("DeepSpeed keeps that many parameter elements in CPU memory, zero_offload keeps every offloaded "
+                "parameter on nvme: set 0, or use device cpu to keep them all in CPU memory")
+    return _OURS
+
+
+def _use_gds(value: Any, data: Mapping[str, Any]) -> str:
+    """aio.use_gds: true moves NVMe data straight to GPU memory (GPUDirect Storage). We always go
+    through pinned host memory, which is what false says."""
+    if value is True:
+        return "zero_offload does not use GPUDirect Storage, NVMe data passes through pinned host memory: set false"
+    return _OURS
+
+
+# Keys accepted only with the value that matches what our engine does: key path -> (kind, verdict).
+_CHECKED_KEYS: dict[tuple[str, ...], tuple[str, Callable[[Any, Mapping[str, Any]], str]]] = {
+    ("zero_optimization", "offload_param", "max_in_cpu"): (_COUNT, _max_in_cpu),
+    ("aio", "use_gds"): (_FLAG, _use_gds),
+}
+
+
+def _keys_under(path: tuple[str, ...]) -> set[str]:
+    """The unmapped keys (_INERT_KEYS, _CHECKED_KEYS) a section may hold."""
+    return {k[-1] for k in (*_INERT_KEYS, *_CHECKED_KEYS) if k[:-1] == path}
+
+
 _TOP = {"zero_optimization", "bf16", "fp16", "optimizer", "gradient_accumulation_steps", "gradient_clipping",
-        "aio", "train_batch_size", "train_micro_batch_size_per_gpu"} | _INERT
-# DeepSpeed top-level keys we do not reproduce: refused by name, and like every DeepSpeed-only key
-# they mark a dict as a DeepSpeed config (which need not have zero_optimization).
-_REFUSED_TOP = {"scheduler", "amp", "activation_checkpointing", "communication_data_type", "prescale_gradients",
-                "gradient_predivide_factor", "sparse_gradients", "flops_profiler", "tensorboard", "wandb",
-                "csv_monitor", "zero_force_ds_cpu_optimizer", "elasticity", "autotuning", "data_types",
-                "memory_breakdown"}
-_OURS = {f.name for f in fields(Config)}
+        "aio", "train_batch_size", "train_micro_batch_size_per_gpu"} | _keys_under(())
+# DeepSpeed top-level keys we do not reproduce -> what to use instead ("" where nothing is): refused
+# by name, and like every DeepSpeed-only key they mark a dict as a DeepSpeed config (which need not
+# have zero_optimization).
+_LOG_IT = "log from the training loop"
+_REFUSED_TOP: dict[str, str] = {
+    "scheduler": "build a torch.optim.lr_scheduler on engine.optimizer and call its step() when engine.step() "
+                 "returns True",
+    "amp": "use bf16 or fp16 instead",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model's forward",
+    "flops_profiler": "use torch.profiler",
+    "tensorboard": _LOG_IT, "wandb": _LOG_IT, "csv_monitor": _LOG_IT,
+    "memory_breakdown": "use engine.memory_report()",
+    **dict.fromkeys(("communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+                     "sparse_gradients", "zero_force_ds_cpu_optimizer", "elasticity", "autotuning",
+                     "data_types"), ""),
+}
+_OURS_FIELDS = {f.name for f in fields(Config)}
 # optimizer and gradient_accumulation_steps are keys of both formats, so they say neither.
-_DS_ONLY = (_TOP | _REFUSED_TOP) - _OURS
-_OURS_ONLY = _OURS - _TOP
-# contiguous_gradients is accepted because we always lay gradients out contiguously.
-_ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "contiguous_gradients",
-         "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold"}
-_ZERO_ONLY = _ZERO - _OURS  # all but stage: they mark a bare zero_optimization block
+_DS_ONLY = (_TOP | set(_REFUSED_TOP)) - _OURS_FIELDS
+_OURS_ONLY = _OURS_FIELDS - _TOP
+_ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
+         "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+         "stage3_param_persistence_threshold"} | _keys_under(("zero_optimization",))
+_ZERO_ONLY = _ZERO - _OURS_FIELDS  # all but stage: they mark a bare zero_optimization block
 _OFFLOAD = {"device", "nvme_path", "pin_memory"}
 # stage3_* key -> our stage3 field (DeepSpeed counts elements, we bytes)
 _STAGE3_KEYS = {"stage3_max_live_parameters": "live_budget_bytes",
@@ -49,7 +163,7 @@ _STAGE3_KEYS = {"stage3_max_live_parameters": "live_budget_bytes",
 # offload block -> the tier (state group) it moves
 _BLOCK_GROUP = {"offload_optimizer": "optimizer", "offload_param": "params"}
 _AIO = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism"}
-_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"}
+_ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode"}
 # fp16 key -> (our precision field, whether it is an integer)
 _FP16_KEYS = {"loss_scale": ("static_scale", False), "initial_scale_power": ("initial_scale_power", True),
               "loss_scale_window": ("scale_window", True), "hysteresis": ("hysteresis", True),
@@ -77,10 +191,108 @@ def _key(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
-def _unknown(where: str, data: Mapping[str, Any], allowed: set[str]) -> None:
-    extra = sorted(set(data) - allowed)
-    if extra:
-        raise ConfigError(f"DeepSpeed key(s) not supported by zero_offload in {where}: {', '.join(extra)}")
+# Each object a DeepSpeed config may hold, by its key path, and the keys it may hold: any other key
+# found in any of them is refused, all in one error.
+_ALLOWED: dict[tuple[str, ...], set[str]] = {
+    (): _TOP,
+    ("zero_optimization",): _ZERO,
+    **{("zero_optimization", block): _OFFLOAD | _keys_under(("zero_optimization", block)) for block in _BLOCK_GROUP},
+    ("aio",): _AIO | _keys_under(("aio",)),
+    ("bf16",): {"enabled"},
+    ("fp16",): {"enabled", *_FP16_KEYS},
+    ("optimizer",): {"type", "params"},
+    ("optimizer", "params"): _ADAM_PARAMS | _keys_under(("optimizer", "params")),
+}
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _refuse_unsupported(data: Mapping[str, Any]) -> None:
+    """One error naming every key we do not reproduce, in every section, by its dotted path, and
+    every value of a _CHECKED_KEYS key that differs from what we do: one line, however long, so
+    a config is fixed in one round rather than one section per run."""
+    problems = _unknown_keys(data) + _refused_values(data)
+    if problems:
+        raise ConfigError(f"DeepSpeed key(s) not supported by zero_offload: {'; '.join(problems)}")
+
+
+def _unknown_keys(data: Mapping[str, Any]) -> list[str]:
+    """The keys no section allows, sorted within each section; a top-level one with an
+    equivalent says what to use. A section that is not an object is left to _section to refuse."""
+    out: list[str] = []
+    for path, allowed in _ALLOWED.items():
+        found, block = _find(data, path)
+        if found and isinstance(block, Mapping):
+            out += [_with_hint(path + (key,)) for key in sorted(block, key=str) if key not in allowed]
+    return out
+
+
+def _with_hint(path: tuple[Any, ...]) -> str:
+    hint = _REFUSED_TOP.get(path[0], "") if len(path) == 1 else ""
+    return f"{_dotted(path)} ({hint})" if hint else _dotted(path)
+
+
+def _refused_values(data: Mapping[str, Any]) -> list[str]:
+    """Each _CHECKED_KEYS value that differs from what we do, with why. A value of the wrong kind
+    is left to _unused_keys, which names what it should be."""
+    out: list[str] = []
+    for path, (_, verdict) in _CHECKED_KEYS.items():
+        found, value = _find(data, path)
+        said = verdict(value, data) if found else _OURS
+        if said not in (_OURS, _IGNORED):
+            out.append(f"{_dotted(path)} = {json.dumps(value)} ({said})")
+    return out
+
+
+def _unused_keys(data: Mapping[str, Any]) -> list[str]:
+    """The keys given that we accept without effect, each checked to be of its kind first (as
+    DeepSpeed checks them: a slip is a slip even where the value goes unused)."""
+    out: list[str] = []
+    for path, kind in _INERT_KEYS.items():
+        found, value = _find(data, path)
+        if found:
+            _check_kind(value, path, kind)
+            out.append(_dotted(path))
+    for path, (kind, verdict) in _CHECKED_KEYS.items():
+        found, value = _find(data, path)
+        if found:
+            _check_kind(value, path, kind)
+            if verdict(value, data) == _IGNORED:
+                out.append(_dotted(path))
+    return out
+
+
+def _check_kind(value: Any, path: tuple[str, ...], kind: str | None) -> None:
+    """A true JSON boolean for _FLAG, a whole number >= 0 for _COUNT (as DeepSpeed's ge=0)."""
+    if kind == _FLAG and not isinstance(value, bool):
+        raise _bad(_dotted(path), value, _FLAG)
+    if kind == _COUNT and _number(value, _dotted(path), integer=True) < 0:
+        raise _bad(_dotted(path), value, _COUNT)
+
+
+class IgnoredDeepSpeedKeys(UserWarning):
+    """DeepSpeed keys accepted without effect (see the module docstring); its own class, so a
+    caller (a CLI) can show it apart or silence it."""
+
+
+def _warn_unused(keys: list[str]) -> None:
+    """One warning for a config read, naming every key that did nothing."""
+    if keys:
+        warnings.warn(f"DeepSpeed key(s) accepted without effect, as they change nothing zero_offload stores or "
+                      f"computes: {', '.join(keys)}", IgnoredDeepSpeedKeys, stacklevel=_outside_us())
+
+
+def _outside_us() -> int:
+    """For the function calling warnings.warn (level 1), the stacklevel of the first frame outside
+    this package, so the warning shows the user's line (initialize, from_file), whichever of our
+    entry points it came through."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _bad(key: str, value: Any, expected: str) -> ConfigError:
@@ -134,7 +346,6 @@ def _nvme_paths(block: Mapping[str, Any], key: str) -> list[str]:
 def _offload(zero: Mapping[str, Any], key: str) -> tuple[str, list[str]]:
     """The tier an offload_* block asks for, and its nvme_path(s) when that tier is nvme."""
     block = _section(zero, key, "zero_optimization")
-    _unknown(f"zero_optimization.{key}", block, _OFFLOAD)
     device = block.get("device", "none")
     tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}.get(device) if isinstance(device, str) else None
     if tier is None:
@@ -170,9 +381,7 @@ def _fp16_settings(block: Mapping[str, Any]) -> dict[str, Any]:
 
 def _precision(data: Mapping[str, Any]) -> dict[str, Any]:
     bf16_block = _section(data, "bf16", "")
-    _unknown("bf16", bf16_block, {"enabled"})
     fp16_block = _section(data, "fp16", "")
-    _unknown("fp16", fp16_block, {"enabled", *_FP16_KEYS})
     bf16 = _flag(bf16_block, "enabled", "bf16", False)
     fp16 = _flag(fp16_block, "enabled", "fp16", False)
     scale = _fp16_settings(fp16_block)
@@ -204,15 +413,12 @@ def _optimizer(data: Mapping[str, Any]) -> dict[str, Any]:
     block = _section(data, "optimizer", "")
     if not block:
         return {}
-    _unknown("optimizer", block, {"type", "params"})
     kind = block.get("type", "AdamW")
     params = _section(block, "params", "optimizer")
-    _unknown("optimizer.params", params, _ADAM_PARAMS)
     if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
         raise ConfigError(f"DeepSpeed optimizer type {block.get('type')!r} is not supported: use Adam or AdamW")
     # As DeepSpeed: effective_adam_w_mode = name == "adamw" or adam_w_mode (default True).
     adam_w_mode = _flag(params, "adam_w_mode", "optimizer.params", _ADAM_W_MODE_DEFAULT)
-    _flag(params, "torch_adam", "optimizer.params", False)  # which kernel DeepSpeed uses; same maths
     decoupled = kind.lower() == "adamw" or adam_w_mode
     return {"name": "adamw" if decoupled else "adam", **_adam_params(params)}
 
@@ -229,7 +435,6 @@ def _stage3(zero: Mapping[str, Any], stage: int, dtype_bytes: int) -> dict[str, 
 
 def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
     """stage, bucket size, overlap and the stage-3 sizes (DeepSpeed counts elements, we bytes)."""
-    _flag(zero, "contiguous_gradients", "zero_optimization", True)  # always true for us; still a bool
     out: dict[str, Any] = {"stage": _number(zero.get("stage", 0), "zero_optimization.stage", integer=True)}
     if "reduce_bucket_size" in zero:
         out["bucket_bytes"] = _number(zero["reduce_bucket_size"], "zero_optimization.reduce_bucket_size",
@@ -319,7 +524,6 @@ def _training(data: Mapping[str, Any]) -> dict[str, Any]:
     if "gradient_clipping" in data:
         out["clip_grad_norm"] = float(_number(data["gradient_clipping"], "gradient_clipping"))
     aio = _section(data, "aio", "")
-    _unknown("aio", aio, _AIO)
     io = {k2: _number(aio[k1], f"aio.{k1}", integer=True) for k1, k2 in (
         ("block_size", "block_size"), ("queue_depth", "queue_depth"), ("thread_count", "threads")) if k1 in aio}
     if "intra_op_parallelism" in aio:
@@ -337,6 +541,36 @@ def _aio_threads(aio: Mapping[str, Any], thread_count: int | None) -> int:
         raise ConfigError(f"DeepSpeed aio.thread_count = {thread_count} and aio.intra_op_parallelism = {threads} "
                           "differ: both set zero_offload's one io.threads; give one of them")
     return threads
+
+
+# A DeepSpeed key given where ours are expected (Config(gradient_clipping=1.0)) -> our field, and
+# how its value differs where it does.
+_ELEMENTS = " (in bytes; DeepSpeed counts elements)"
+_OUR_NAMES: dict[str, tuple[str, str]] = {
+    "gradient_clipping": ("'clip_grad_norm'", ""),
+    "overlap_comm": ("'overlap_step'", ""),
+    "reduce_bucket_size": ("'bucket_bytes'", _ELEMENTS),
+    "bf16": ("precision={'dtype': 'bf16'}", ""),
+    "fp16": ("precision={'dtype': 'fp16'}", ""),
+    "aio": ("'io'", ""),
+    "offload_optimizer": ("tiers={'optimizer': 'cpu'}", " (or 'nvme', with nvme_paths)"),
+    "offload_param": ("tiers={'params': 'cpu'}", " (or 'nvme', with nvme_paths; stage 3)"),
+    **{ds: (f"stage3={{'{ours}': ...}}", _ELEMENTS) for ds, ours in _STAGE3_KEYS.items()},
+}
+
+
+def deepspeed_key_hint(key: str) -> str | None:
+    """For a DeepSpeed key given as one of our fields, the end of config's "unknown config key"
+    line: our name for it, or what to do instead; None for a key DeepSpeed does not have."""
+    if key in _OUR_NAMES:
+        ours, note = _OUR_NAMES[key]
+        return f" (DeepSpeed's name); did you mean {ours}?{note}"
+    if _REFUSED_TOP.get(key):
+        return f" (a DeepSpeed key zero_offload does not support): {_REFUSED_TOP[key]}"
+    if key in _DS_ONLY or key in _ZERO_ONLY:
+        return (" (a DeepSpeed key): give a whole DeepSpeed config as a dict to Config.from_dict or "
+                "zero_offload.initialize, not as keywords")
+    return None
 
 
 def is_deepspeed(data: Mapping[str, Any]) -> bool:
@@ -372,9 +606,16 @@ def config_from_deepspeed(data: Mapping[str, Any]) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(data).__name__}")
     data = _whole_config(data)
-    _unknown("the DeepSpeed config", data, _TOP)
+    _refuse_unsupported(data)
+    unused = _unused_keys(data)
+    config = _mapped(data)
+    _warn_unused(unused)  # only once the config is good: an error is what to act on first
+    return config
+
+
+def _mapped(data: Mapping[str, Any]) -> Config:
+    """Our Config from a whole DeepSpeed config whose keys are all known."""
     zero = _section(data, "zero_optimization", "")
-    _unknown("zero_optimization", zero, _ZERO)
     (opt_tier, opt_paths), (par_tier, par_paths) = (_offload(zero, k) for k in _BLOCK_GROUP)
     # DeepSpeed keeps reduced gradients next to the offloaded optimizer; so do we.
     tiers = {"optimizer": opt_tier, "params": par_tier, "grads": "cpu" if opt_tier != "device" else "device"}
