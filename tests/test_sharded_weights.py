@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import zero_offload
-from _stage3_model import batch, make_model
+from _stage3_model import make_model
+from test_stage3_engine import _train
 from zero_offload.engine import materialize
 from zero_offload.engine.materialize import save_safetensors
 
@@ -61,22 +62,11 @@ def _meta_engine(weights: str) -> zero_offload.engine.engine.Engine:
     return zero_offload.initialize(model, CFG, weights=weights)
 
 
-def _train(engine: object, steps: int) -> list[float]:
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, 4)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _initial_and_trained(weights: str) -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
     engine = _meta_engine(weights)
     try:
         initial = engine.consolidated_state_dict()
-        losses = _train(engine, 3)
+        losses = _train(engine, range(3))
         return initial, losses, engine.consolidated_state_dict()
     finally:
         engine.close()

@@ -1,6 +1,8 @@
 """A failed optimizer step is reported once, and the next step starts clean."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 import torch
 
@@ -139,13 +141,12 @@ def test_a_shard_whose_slot_cannot_be_written_is_not_added(tmp_path: object, mon
     opt.close()
 
 
-def _fails_on_rank_one(rank: int, world: int, stage: int, tmp: str) -> None:
+def _trained_and_saved(rank: int, world: int, stage: int, tmp: str) -> tuple[Any, Callable[[int], bool]]:
+    """A rank's engine on cpu tiers after one step, checkpointed at `tmp`/ckpt, and its step."""
     import os
 
     import zero_offload
     from _engine_model import batch, make_model
-    from zero_offload import comm
-    from zero_offload.engine.engine import EngineStateError
 
     tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
     engine = zero_offload.initialize(make_model(), dict(stage=stage, tiers=tiers, bucket_bytes=4096))
@@ -156,6 +157,16 @@ def _fails_on_rank_one(rank: int, world: int, stage: int, tmp: str) -> None:
         return engine.step()
     assert train(0)
     engine.save_checkpoint(os.path.join(tmp, "ckpt"))
+    return engine, train
+
+
+def _fails_on_rank_one(rank: int, world: int, stage: int, tmp: str) -> None:
+    import os
+
+    from zero_offload import comm
+    from zero_offload.engine.engine import EngineStateError
+
+    engine, train = _trained_and_saved(rank, world, stage, tmp)
     patch = pytest.MonkeyPatch()
     if rank == 1:
         _fail_kernel_call(patch, 2)
@@ -195,20 +206,10 @@ def test_a_step_that_fails_on_one_rank_fails_on_every_rank(stage: int, tmp_path:
 def _hand_over_fails_on_last_rank(rank: int, world: int, stage: int, tmp: str) -> None:
     import os
 
-    import zero_offload
-    from _engine_model import batch, make_model
     from zero_offload import comm
     from zero_offload.engine.engine import EngineStateError
 
-    tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
-    engine = zero_offload.initialize(make_model(), dict(stage=stage, tiers=tiers, bucket_bytes=4096))
-
-    def train(step: int) -> bool:
-        x, y = batch(step, 2 * world)
-        engine.backward(engine(x[rank::world], y[rank::world]))
-        return engine.step()
-    assert train(0)
-    engine.save_checkpoint(os.path.join(tmp, "ckpt"))
+    engine, train = _trained_and_saved(rank, world, stage, tmp)
     patch = pytest.MonkeyPatch()
     if rank == world - 1:  # the second shard handed over: its state moved on, its count does not follow
         real, calls = ShardOptimizer._completed, {"n": 0}
