@@ -18,6 +18,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         with open(os.path.join(out, f"error{rank}"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    os._exit(0)  # not through interpreter finalization: the gloo teardown race of tests/_dist.py
 
 
 def _train(rank: int, world: int, port: int, out: str) -> None:
