@@ -272,3 +272,45 @@ def test_stage0_stops_only_when_its_replicas_may_differ() -> None:
     from _dist import run_ranks
 
     run_ranks(_stage0_failures_on_every_rank, 2, timeout=90)
+
+
+class _FailsInBackward(torch.nn.Module):
+    """Two layers; backward raises at the first layer's output, after the second layer's
+    gradients were handed to the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.a(x)
+        hidden.register_hook(_raise_in_backward)
+        return self.b(hidden).pow(2).mean()
+
+
+def _raise_in_backward(grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("simulated backward failure")
+
+
+def test_a_hand_over_failing_after_a_failed_backward_stops_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finishing the shard the failed backward had handed to the step (abandon_step) fails to
+    hand it over: its master moved on, its count and compute copy did not, and training went on
+    from there at D = 1."""
+    import zero_offload
+    from zero_offload.engine.engine import EngineStateError
+
+    torch.manual_seed(0)
+    engine = zero_offload.initialize(_FailsInBackward(), dict(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"},
+                                                             bucket_bytes=8 * 8 * 4))
+    x = torch.randn(4, 8)
+
+    def completed(self: ShardOptimizer, job: object) -> None:
+        raise MemoryError("simulated hand-over failure")
+    monkeypatch.setattr(ShardOptimizer, "_completed", completed)
+    with pytest.raises(RuntimeError, match="simulated hand-over failure"):
+        engine.backward(engine(x))
+    monkeypatch.undo()
+    assert engine.stopped and "hand-over failed" in engine.stopped
+    with pytest.raises(EngineStateError, match="load a checkpoint"):
+        engine(x)
+    engine.close()

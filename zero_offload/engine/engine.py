@@ -223,6 +223,9 @@ class Engine:
             elif comm.world_size() > 1:  # not agreed: the other ranks may wait in its collectives
                 self.stopped = (f"a backward failed on this rank ({type(exc).__name__}: {exc}); with D > 1 the "
                                 "other ranks may be waiting in its reductions, or stepped other shards")
+            elif self.runtime.shard_optimizer.pipeline.failed_hand_over:  # as after a step (_runtime_step)
+                self.stopped = (f"a backward failed ({type(exc).__name__}: {exc}) and a stepped shard's hand-over "
+                                "failed after it; its compute copy or step count may lag its master shard")
 
     def _hyperparameters(self) -> list[tuple] | None:
         """The param_groups' hyperparameters as the overlapped step reads them: during backward,
