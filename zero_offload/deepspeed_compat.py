@@ -10,8 +10,8 @@ A key whose meaning we do not reproduce is never silently dropped. Every key is 
   type-checked, and named in one warning (IgnoredDeepSpeedKeys) per config read, so the user
   knows they did nothing;
 - accepted only with the value that matches what our engine does (_CHECKED_KEYS: max_in_cpu,
-  use_gds, stage3_gather_16bit_weights_on_model_save), as ignoring another value would change
-  what the user gets; that value is refused with the reason;
+  use_gds), as ignoring another value would change what the user gets; that value is refused
+  with the reason;
 - refused: any other key. Every refused key and value, in every section, is listed by its dotted
   path in ONE error (_refuse_unsupported): stopping at the first section made bringing a config
   take one run per section. A refused top-level key with an equivalent says what to use instead.
