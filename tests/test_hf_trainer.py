@@ -1,0 +1,248 @@
+"""ZeroOffloadTrainer (zero_offload.hf): transformers' Trainer trained by the engine.
+
+The oracle is a plain transformers.Trainer with the same TrainingArguments (AdamW torch, clipping
+at max_grad_norm, accumulation 2 with an epoch whose last cycle is one micro-batch short, linear
+warmup, weight decay on two parameter groups): the same logged losses, gradient norms, learning
+rates and eval losses, and the same final weights, to fp32 tolerance. Before it, Trainer(model=
+engine) failed ('Engine' object has no attribute 'to'), Trainer(optimizers=(engine.optimizer, s))
+failed in accelerate's optimizer wrapping (state_dict), and Trainer's own optimizer on
+engine.module was refused by the engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaForCausalLM, Trainer  # noqa: E402
+
+from _hf import Tokens, logged, losses, max_relative_difference, tiny_llama, training_args  # noqa: E402
+from zero_offload.config import ConfigError  # noqa: E402
+from zero_offload.hf import ENGINE_DIR, ZeroOffloadTrainer  # noqa: E402
+from zero_offload.hf.config import resolve  # noqa: E402
+
+TRAIN, EVAL = Tokens(14, seed=0), Tokens(8, seed=1)  # 7 micro-batches of 2 per epoch: the last cycle is short
+STAGE2_CPU = {"stage": 2, "tiers": {"optimizer": "cpu", "grads": "cpu"}}
+
+
+def stage3_nvme(tmp: str, name: str = "nvme") -> dict[str, Any]:
+    os.makedirs(os.path.join(tmp, name), exist_ok=True)
+    return {"stage": 3, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"},
+            "nvme_paths": [os.path.join(tmp, name)], "stage3": {"unit_modules": ["LlamaDecoderLayer"]}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: the tiny model's ops are far too small to share, and on a busy
+    machine threads that wait on each other cost seconds per step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The oracle: a plain Trainer's log history and final weights."""
+    model = tiny_llama()
+    args = training_args(str(tmp_path_factory.mktemp("plain")), eval_strategy="steps", eval_steps=2)
+    trainer = Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL)
+    trainer.train()
+    return trainer.state.log_history, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("where", ["stage2-cpu", "stage3-nvme"])
+def test_training_equals_a_plain_trainer_run_and_saves_for_from_pretrained(where: str, tmp_path: Any,
+                                                                          plain_run: Any) -> None:
+    config = STAGE2_CPU if where == "stage2-cpu" else stage3_nvme(str(tmp_path))
+    args = training_args(str(tmp_path / "out"), eval_strategy="steps", eval_steps=2)
+    trainer = ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                 zero_offload_config=config)
+    trainer.train()
+    history, weights = plain_run
+    ours = trainer.state.log_history
+    assert trainer.state.global_step == 8  # 2 epochs x 4 updates (3 of two micro-batches, 1 of one)
+    for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
+        mine, theirs = logged(ours, key), logged(history, key)
+        assert len(mine) == len(theirs) > 0, key
+        assert mine == pytest.approx(theirs, rel=1e-5), key
+    assert max_relative_difference(trainer.engine.consolidated_state_dict(), weights) < 1e-5
+
+    trainer.save_model(str(tmp_path / "saved"))  # Hugging Face format, from the engine's weights
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "saved"))
+    ids = EVAL.ids[:2]
+    with torch.no_grad():
+        ours_logits = trainer.engine_model(input_ids=ids).logits  # through the engine (stage 3 gathers)
+        loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved")).eval()
+        assert torch.equal(ours_logits, loaded(input_ids=ids).logits)
+    trainer.engine.close()
+
+
+def test_resume_from_checkpoint_equals_the_uninterrupted_run_bit_for_bit(tmp_path: Any) -> None:
+    """Stage 3 on nvme, with dropout (the RNG states matter), resumed mid-epoch from checkpoint-2
+    into a model built from another seed: the engine's checkpoint restores everything."""
+    config = stage3_nvme(str(tmp_path))
+    common = dict(save_strategy="steps", save_steps=2, max_steps=4)
+    first = ZeroOffloadTrainer(model=tiny_llama(attention_dropout=0.2), args=training_args(
+        str(tmp_path / "a"), save_total_limit=3, **common), train_dataset=TRAIN, zero_offload_config=config)
+    first.train()
+    whole = first.engine.consolidated_state_dict()
+    first.engine.close()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    assert {"trainer_state.json", "rng_state.pth", "scheduler.pt", ENGINE_DIR, "config.json",
+            "model.safetensors"} <= set(os.listdir(ckpt))
+    assert "optimizer.pt" not in os.listdir(ckpt)
+
+    second = ZeroOffloadTrainer(model=tiny_llama(seed=1, attention_dropout=0.2), args=training_args(
+        str(tmp_path / "b"), save_total_limit=1, **common), train_dataset=TRAIN,
+        zero_offload_config=stage3_nvme(str(tmp_path), "nvme2"))
+    second.train(resume_from_checkpoint=str(ckpt))
+    resumed = second.engine.consolidated_state_dict()
+    # trainer_state.json brings the first two steps' log; the rest was logged by the resumed run
+    assert len(losses(second.state.log_history)) == 4
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert logged(second.state.log_history, key) == logged(first.state.log_history, key)
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint-4"]  # save_total_limit=1 rotated the others
+    second.engine.close()
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path: Any) -> None:
+    """A learning rate so large that the second evaluation is worse: the end loads checkpoint-2."""
+    args = training_args(str(tmp_path), max_steps=4, learning_rate=0.5, eval_strategy="steps", eval_steps=2,
+                         save_strategy="steps", save_steps=2, load_best_model_at_end=True)
+    trainer = ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+                                 zero_offload_config=STAGE2_CPU)
+    trainer.train()
+    first, second = logged(trainer.state.log_history, "eval_loss")
+    assert first < second and trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    assert trainer.evaluate()["eval_loss"] == first
+    trainer.engine.close()
+
+
+def _ds_config(tmp: str) -> dict[str, Any]:
+    """A DeepSpeed ZeRO-3 NVMe config as the transformers docs write it, "auto" values and all."""
+    os.makedirs(os.path.join(tmp, "nvme"), exist_ok=True)
+    offload = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme"), "pin_memory": True}
+    return {
+        "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": offload, "offload_param": offload,
+                              "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
+                              "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 100,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    }
+
+
+def test_a_deepspeed_json_with_auto_values_works_unchanged(tmp_path: Any, plain_run: Any) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(_ds_config(str(tmp_path))))
+    args = training_args(str(tmp_path / "out"), max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN,
+                                     zero_offload_config=str(path))
+    assert any("DeepSpeed scheduler WarmupLR is not run" in str(w.message) for w in caught)
+    c = trainer.zero_offload_config
+    assert (c.stage, c.tiers.params, c.tiers.optimizer) == (3, "nvme", "nvme")
+    assert (c.optimizer.lr, c.optimizer.betas, c.optimizer.eps) == (1e-2, (0.9, 0.999), 1e-8)
+    assert (c.gradient_accumulation_steps, c.clip_grad_norm, c.precision.dtype) == (2, 1.0, "fp32")
+    assert c.bucket_bytes == 32 * 32 * 4 and c.stage3.unit_bytes == int(0.9 * 32 * 32) * 4  # hidden-size autos
+    trainer.train()
+    # The first 4 losses of the 8-step plain run: the updates before them used the same learning
+    # rates (warmup 0, 0.5, then 1 x lr whatever the length of the linear decay after it).
+    assert losses(trainer.state.log_history) == pytest.approx(losses(plain_run[0])[:4], rel=1e-5)
+    trainer.engine.close()
+
+
+def test_deepspeed_values_that_differ_from_training_arguments_are_listed_in_one_error(tmp_path: Any) -> None:
+    ds = _ds_config(str(tmp_path))
+    ds["gradient_clipping"], ds["optimizer"]["params"]["lr"] = 0.5, 3e-4
+    with pytest.raises(ConfigError, match=r"gradient_clipping=0.5 vs TrainingArguments max_grad_norm=1.0; "
+                                          r"optimizer.params.lr=0.0003 vs TrainingArguments learning_rate=0.01;"):
+        resolve(ds, training_args(str(tmp_path)))
+
+
+def test_a_zero_offload_config_takes_its_training_values_from_training_arguments(tmp_path: Any) -> None:
+    args = training_args(str(tmp_path), bf16=True, learning_rate=3e-4, gradient_accumulation_steps=4)
+    c = resolve({"stage": 2, "tiers": {"optimizer": "cpu"}}, args)
+    assert (c.optimizer.lr, c.gradient_accumulation_steps, c.precision.dtype, c.clip_grad_norm) == (3e-4, 4, "bf16", 1.0)
+    with pytest.raises(ConfigError, match=r"optimizer.lr=0.001 vs TrainingArguments learning_rate=0.0003"):
+        resolve({"stage": 2, "optimizer": {"lr": 1e-3}}, args)
+
+
+def test_training_arguments_deepspeed_is_refused_in_one_line(tmp_path: Any) -> None:
+    args = training_args(str(tmp_path))
+    # Where the deepspeed package is installed TrainingArguments keeps the path (without it,
+    # transformers itself refuses to build the arguments).
+    args.deepspeed = str(tmp_path / "ds_config.json")
+    with pytest.raises(ConfigError, match=r"^TrainingArguments\(deepspeed=...\) hands training to the deepspeed "
+                                          r"package: pass the DeepSpeed JSON as ZeroOffloadTrainer\("
+                                          r"zero_offload_config=...\) instead$"):
+        ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"optimizers": (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), None)}, r"optimizers=\.\.\."),
+    ({"args_overrides": {"optim": "sgd"}}, r"TrainingArguments.optim = 'sgd'"),
+])
+def test_what_would_bypass_the_engine_is_refused(kwargs: dict, message: str, tmp_path: Any) -> None:
+    args = training_args(str(tmp_path), **kwargs.pop("args_overrides", {}))
+    with pytest.raises(ConfigError, match=message):
+        ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN, **kwargs)
+
+
+def _two_ranks(rank: int, world: int, out: str) -> None:
+    """On each of two gloo ranks, as torchrun would start them: a plain Trainer (DDP), then
+    ZeroOffloadTrainer at stage 3; rank 0 compares. Without the sampler sharding the data per
+    rank, or with the module wrapped in DDP, the runs differ (or stage 3 fails)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    plain = tiny_llama()
+    trainer = Trainer(model=plain, args=training_args(os.path.join(out, "plain"), max_steps=4), train_dataset=TRAIN)
+    trainer.train()
+    config = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
+              "stage3": {"unit_modules": ["LlamaDecoderLayer"]}}
+    ours = ZeroOffloadTrainer(model=tiny_llama(), args=training_args(os.path.join(out, "ours"), max_steps=4),
+                              train_dataset=TRAIN, zero_offload_config=config)
+    ours.train()
+    assert ours.engine.config.stage == 3 and torch.distributed.get_world_size() == 2
+    weights = ours.engine.consolidated_state_dict()  # a collective; full on rank 0
+    if rank == 0:
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert logged(ours.state.log_history, key) == pytest.approx(logged(trainer.state.log_history, key),
+                                                                        rel=1e-5), key
+        assert max_relative_difference(weights, plain.state_dict()) < 1e-5
+    ours.engine.close()
+
+
+def test_two_ranks_train_as_a_plain_ddp_trainer_does(tmp_path: Any) -> None:
+    from _dist import run_ranks
+
+    run_ranks(_two_ranks, 2, timeout=150, out=str(tmp_path))
+
+
+def test_the_example_fine_tunes_saves_and_generates(tmp_path: Any) -> None:
+    """examples/finetune_hf.py with tiny settings: its own tiny Llama and character tokenizer,
+    stage 3 on nvme, save_model, from_pretrained and generate."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "finetune_hf.py")
+    spec = importlib.util.spec_from_file_location("finetune_hf", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    text = example.main(["--steps", "2", "--seq", "32", "--batch", "2", "--new-tokens", "4", "--prompt", "ab",
+                         "--output", str(tmp_path / "out"), "--nvme-dir", str(tmp_path / "nvme")])
+    assert text.startswith("ab") and len(text) >= 3
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "out" / "final"))
