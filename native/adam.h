@@ -1,10 +1,11 @@
 // CPU Adam/AdamW on contiguous fp32 shards: the C ABI (zo_adam_*) and the contract between the
 // dispatcher (adam_dispatch.cpp) and the per-ISA kernels (adam_scalar/avx2/avx512.cpp).
 //
-// Every ISA kernel performs the SAME float operations in the SAME order as the scalar kernel
-// and never fuses a multiply-add, so all paths give bit-identical results: the scalar file is
-// the oracle and the tests compare the fast paths to it bit for bit. (Not NaN payloads: where
-// two different NaNs meet in a commutative add, the compiler's operand order picks the one kept.)
+// Every ISA kernel performs the SAME float operations in the SAME order as the scalar kernel,
+// fusing a multiply-add only where every kernel does (zo_adam_coeffs says where and why), so
+// all paths give bit-identical results: the scalar file is the oracle and the tests compare
+// the fast paths to it bit for bit. (Not NaN payloads: where two different NaNs meet in a
+// commutative add, the compiler's operand order picks the one kept.)
 // The pool's workers run with the caller's MXCSR (flush-to-zero, denormals-are-zero, rounding).
 #pragma once
 #include <cstdint>
@@ -74,16 +75,26 @@ int32_t zo_adam_pool_threads(void);
 
 // Float coefficients of one tensor's step, computed in double and rounded once per call.
 //
-// torch's update is  p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)  with bc_i = 1 - beta_i^step.
-// Multiplying through by sqrt(bc2) gives the same Adam (eps still added after bias correction):
-//   p -= step_size * m / (sqrt(v) + eps_hat),  step_size = lr*sqrt(bc2)/bc1, eps_hat = eps*sqrt(bc2)
-// with one division per element instead of two. A core's divide/sqrt unit, not only memory,
-// limits this loop, so the saved division is throughput; results differ from torch's by
-// rounding only (see the tolerance table in tests/adam_reference.py).
+// Every kernel rounds as the vector body of torch's fused CPU Adam/AdamW does, so for fp32
+// gradients param, m and v come out bit-identical to it (torch's foreach and single-tensor
+// paths use the same formulas, but torch.sqrt on fp32 is not always correctly rounded):
+//   g = fma(p, wd, g)                              (Adam: grad.add(param, alpha=wd))
+//   p = p * decay                                  (AdamW: param.mul_(1 - lr*wd))
+//   m = fma(lerp_weight, g - m, base)              (exp_avg.lerp_(g, 1 - beta1))
+//   v = fma(g * (1 - beta2), g, v * beta2)         (exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2))
+//   p = p - (step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps)
+// The lerp rounds once where m*beta1 + g*(1-beta1) rounded three times, ~2.7x further from
+// float64 over a run. Folding sqrt(bc2) into step_size and eps would save the second
+// division, but changes the rounding: the loop is memory-bound, so the division is kept.
 struct zo_adam_coeffs {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float step_size;  // lr * sqrt(1 - beta2^step) / (1 - beta1^step)
-  float eps;        // eps * sqrt(1 - beta2^step)
+  // With w = float(1 - beta1), as torch's lerp: lerp_weight = w and base m when w < 0.5,
+  // else lerp_weight = w - 1 (exact) and base g, so that g + (w - 1)(g - m) = m + w(g - m).
+  float lerp_weight;
+  int32_t lerp_from_grad;
+  float beta2, one_minus_beta2;
+  float step_size;              // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float eps;
   float grad_scale;
   float l2;         // Adam: weight decay added to the gradient; 0 for AdamW
   float decay;      // AdamW: 1 - lr*wd applied to the param first; unused for Adam

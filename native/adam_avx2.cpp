@@ -4,7 +4,8 @@
 // it, too, runs this exact vector code.
 //
 // C++ builds contract a*b+c into one FMA by default (-ffp-contract=fast), which rounds once
-// instead of twice and breaks bit-equality between the paths; keep every operation separate.
+// instead of twice and breaks bit-equality between the paths: contraction is off, and the
+// FMAs torch's fused AdamW rounds with (native/adam.h) are written out explicitly.
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 
@@ -15,18 +16,20 @@
 namespace {
 
 struct Coeffs8 {
-  __m256 beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, eps, grad_scale, l2,
+  __m256 lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale, l2,
       decay;
-  bool decoupled, use_l2;
+  bool decoupled, use_l2, lerp_from_grad;
 };
 
 Coeffs8 broadcast(const zo_adam_coeffs& c) {
-  return {_mm256_set1_ps(c.beta1),     _mm256_set1_ps(c.one_minus_beta1),
+  return {_mm256_set1_ps(c.lerp_weight),
           _mm256_set1_ps(c.beta2),     _mm256_set1_ps(c.one_minus_beta2),
-          _mm256_set1_ps(c.step_size), _mm256_set1_ps(c.eps),
+          _mm256_set1_ps(c.step_size), _mm256_set1_ps(c.bias_correction2_sqrt),
+          _mm256_set1_ps(c.eps),
           _mm256_set1_ps(c.grad_scale),
           _mm256_set1_ps(c.l2),        _mm256_set1_ps(c.decay),
-          c.decoupled != 0,            c.decoupled == 0 && c.l2 != 0.0f};
+          c.decoupled != 0,            c.decoupled == 0 && c.l2 != 0.0f,
+          c.lerp_from_grad != 0};
 }
 
 template <int G>
@@ -87,13 +90,13 @@ inline void step8(const zo_adam_tensor& t, const Coeffs8& c, int64_t i) {
   if (c.decoupled) {
     p = _mm256_mul_ps(p, c.decay);
   } else if (c.use_l2) {
-    g = _mm256_add_ps(g, _mm256_mul_ps(c.l2, p));
+    g = _mm256_fmadd_ps(p, c.l2, g);
   }
-  const __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t.exp_avg + i), c.beta1),
-                                 _mm256_mul_ps(g, c.one_minus_beta1));
-  const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(t.exp_avg_sq + i), c.beta2),
-                                 _mm256_mul_ps(_mm256_mul_ps(g, c.one_minus_beta2), g));
-  const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), c.eps);
+  const __m256 m_old = _mm256_loadu_ps(t.exp_avg + i);
+  const __m256 m = _mm256_fmadd_ps(c.lerp_weight, _mm256_sub_ps(g, m_old), c.lerp_from_grad ? g : m_old);
+  const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(g, c.one_minus_beta2), g,
+                                   _mm256_mul_ps(_mm256_loadu_ps(t.exp_avg_sq + i), c.beta2));
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bias_correction2_sqrt), c.eps);
   p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(c.step_size, m), denom));
   _mm256_storeu_ps(t.param + i, p);
   _mm256_storeu_ps(t.exp_avg + i, m);

@@ -7,7 +7,8 @@
 // so a vector holding a denormal takes the integer rounding instead (a rare branch).
 //
 // C++ builds contract a*b+c into one FMA by default (-ffp-contract=fast), which rounds once
-// instead of twice and breaks bit-equality between the paths; keep every operation separate.
+// instead of twice and breaks bit-equality between the paths: contraction is off, and the
+// FMAs torch's fused AdamW rounds with (native/adam.h) are written out explicitly.
 #pragma GCC optimize("fp-contract=off")
 // GCC 12's AVX-512 headers seed masked builtins with a self-initialized `__Y`, which -Wall
 // reports as maybe-uninitialized at every use: a false positive that would bury real warnings.
@@ -21,18 +22,20 @@
 namespace {
 
 struct Coeffs16 {
-  __m512 beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, eps, grad_scale, l2,
+  __m512 lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale, l2,
       decay;
-  bool decoupled, use_l2;
+  bool decoupled, use_l2, lerp_from_grad;
 };
 
 Coeffs16 broadcast(const zo_adam_coeffs& c) {
-  return {_mm512_set1_ps(c.beta1),     _mm512_set1_ps(c.one_minus_beta1),
+  return {_mm512_set1_ps(c.lerp_weight),
           _mm512_set1_ps(c.beta2),     _mm512_set1_ps(c.one_minus_beta2),
-          _mm512_set1_ps(c.step_size), _mm512_set1_ps(c.eps),
+          _mm512_set1_ps(c.step_size), _mm512_set1_ps(c.bias_correction2_sqrt),
+          _mm512_set1_ps(c.eps),
           _mm512_set1_ps(c.grad_scale),
           _mm512_set1_ps(c.l2),        _mm512_set1_ps(c.decay),
-          c.decoupled != 0,            c.decoupled == 0 && c.l2 != 0.0f};
+          c.decoupled != 0,            c.decoupled == 0 && c.l2 != 0.0f,
+          c.lerp_from_grad != 0};
 }
 
 const uint16_t* u16(const void* p) { return static_cast<const uint16_t*>(p); }
@@ -116,13 +119,13 @@ inline void step16(const zo_adam_tensor& t, const Coeffs16& c, int64_t i, __mmas
   if (c.decoupled) {
     p = _mm512_mul_ps(p, c.decay);
   } else if (c.use_l2) {
-    g = _mm512_add_ps(g, _mm512_mul_ps(c.l2, p));
+    g = _mm512_fmadd_ps(p, c.l2, g);
   }
-  const __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.exp_avg + i), c.beta1),
-                                 _mm512_mul_ps(g, c.one_minus_beta1));
-  const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.exp_avg_sq + i), c.beta2),
-                                 _mm512_mul_ps(_mm512_mul_ps(g, c.one_minus_beta2), g));
-  const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), c.eps);
+  const __m512 m_old = _mm512_maskz_loadu_ps(k, t.exp_avg + i);
+  const __m512 m = _mm512_fmadd_ps(c.lerp_weight, _mm512_sub_ps(g, m_old), c.lerp_from_grad ? g : m_old);
+  const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(g, c.one_minus_beta2), g,
+                                   _mm512_mul_ps(_mm512_maskz_loadu_ps(k, t.exp_avg_sq + i), c.beta2));
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bias_correction2_sqrt), c.eps);
   p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom));
   _mm512_mask_storeu_ps(t.param + i, k, p);
   _mm512_mask_storeu_ps(t.exp_avg + i, k, m);

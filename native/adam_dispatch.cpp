@@ -142,12 +142,14 @@ zo_adam_coeffs coeffs_for(const zo_adam_hyper& h, int64_t step) {
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(step));
   zo_adam_coeffs c;
-  c.beta1 = static_cast<float>(h.beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  const float w = static_cast<float>(1.0 - h.beta1);  // torch rounds the lerp weight to fp32 first
+  c.lerp_from_grad = !(std::fabs(w) < 0.5f);
+  c.lerp_weight = c.lerp_from_grad ? w - 1.0f : w;  // exact: w is in [0.5, 1] there
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.step_size = static_cast<float>(h.lr * std::sqrt(bc2) / bc1);  // see zo_adam_coeffs
-  c.eps = static_cast<float>(h.eps * std::sqrt(bc2));
+  c.step_size = static_cast<float>(h.lr / bc1);  // as torch's fused kernel rounds them
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(h.eps);
   c.grad_scale = static_cast<float>(h.grad_scale);
   c.decoupled = h.decoupled != 0;
   c.l2 = c.decoupled ? 0.0f : static_cast<float>(h.weight_decay);

@@ -8,7 +8,8 @@
 //   VCVTPH2PS does.
 //
 // C++ builds contract a*b+c into one FMA by default (-ffp-contract=fast), which rounds once
-// instead of twice and breaks bit-equality between the paths; keep every operation separate.
+// instead of twice and breaks bit-equality between the paths: contraction is off, and the
+// FMAs torch's fused AdamW rounds with (native/adam.h) are written out explicitly.
 #pragma GCC optimize("fp-contract=off")
 #include <cmath>
 #include <cstring>
@@ -91,12 +92,15 @@ void zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int6
     if (c.decoupled) {
       p = p * c.decay;
     } else if (c.l2 != 0.0f) {
-      g = g + c.l2 * p;
+      g = std::fma(p, c.l2, g);  // torch's grad.add(param, alpha=wd): one rounding
     }
-    const float m = t.exp_avg[i] * c.beta1 + g * c.one_minus_beta1;
-    // (g * (1 - beta2)) * g, as torch's addcmul: g * g alone overflows for |g| > ~1.8e19.
-    const float v = t.exp_avg_sq[i] * c.beta2 + (g * c.one_minus_beta2) * g;
-    const float denom = std::sqrt(v) + c.eps;
+    // torch's exp_avg.lerp_(g, 1 - beta1): one FMA onto m (onto g when 1 - beta1 >= 0.5).
+    const float m_old = t.exp_avg[i];
+    const float m = std::fma(c.lerp_weight, g - m_old, c.lerp_from_grad ? g : m_old);
+    // torch's exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): (g * (1 - beta2)) * g
+    // added to v * beta2 in one FMA (g * g alone would overflow for |g| > ~1.8e19).
+    const float v = std::fma(g * c.one_minus_beta2, g, t.exp_avg_sq[i] * c.beta2);
+    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
     p = p - (c.step_size * m) / denom;
     t.param[i] = p;
     t.exp_avg[i] = m;

@@ -144,12 +144,12 @@ def test_lowp_out_equals_torch_conversion(isa: str, out_dtype: torch.dtype) -> N
 @pytest.mark.parametrize("grad_dtype", LOWP)
 @pytest.mark.parametrize("isa", isa_params())
 def test_lowp_grads_are_converted_exactly(isa: str, grad_dtype: torch.dtype) -> None:
-    # With beta1 = 0 the first moment becomes -0.0 * 0 + g * 1 = g exactly (-0.0 so that a -0.0
-    # gradient keeps its sign), so it shows the conversion in.
+    # With beta1 = 0 torch's lerp makes the first moment g + 0 * (g - m) = g exactly (m = +0.0 so
+    # that a -0.0 gradient keeps its sign: -0.0 - +0.0 = -0.0), so it shows the conversion in.
     g = _special_values(grad_dtype).to(grad_dtype)
     g = g[torch.isfinite(g)]
     n = g.numel()
-    m = torch.full((n,), -0.0)
+    m = torch.zeros(n)
     adam_step_flat(torch.zeros(n), g, m, torch.zeros(n), step=1, lr=1e-3, beta1=0.0, beta2=0.999,
                    eps=1e-8, weight_decay=0.0, decoupled=False, isa=isa)
     assert_bits_equal(m, g.float(), f"{grad_dtype} gradient read as fp32")

@@ -2,12 +2,10 @@
 
 A flat shard is a contiguous run of fp32 master weights with its two moments. The engine calls
 `adam_step_flat` once per shard per step; `CPUAdam` (cpu_adam.py) steps its tensors through the
-same native kernel, many per call. Without the native library the plain-torch path below runs
-(and says so once), so everything works everywhere, only slower.
+same native kernel, many per call. Without the native library torch's fused CPU Adam runs
+instead (and says so once), so everything works everywhere, with the same results.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -153,23 +151,17 @@ def _adam_step_flat_torch(
     step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     decoupled: bool, grad_scale: float, lowp_out: torch.Tensor | None, check_finite: bool,
 ) -> bool:
-    """The same step in plain torch: the fallback when the native library is missing."""
+    """The same step through torch's fused CPU Adam: the fallback when the native library is
+    missing. The kernels round as that one does (native/adam.h), so both paths give the same
+    bits; torch's unfused ops differ (torch.sqrt on fp32 is not always correctly rounded)."""
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
     if check_finite and not bool(torch.isfinite(g).all()):
         return True
-    if weight_decay != 0.0:
-        if decoupled:
-            param.mul_(1.0 - lr * weight_decay)
-        else:
-            g = g + weight_decay * param
-    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused([param], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
+          beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     if lowp_out is not None:
         lowp_out.copy_(param)
     return False
