@@ -127,3 +127,37 @@ def test_a_sparse_buffer_is_refused_in_one_line(tmp_path: object) -> None:
         engine.save_checkpoint(str(tmp_path / "ck"))
     assert "\n" not in str(info.value)
     engine.close()
+
+
+def _ranks_save_and_resume(rank: int, world: int, tmp: str) -> None:
+    """Each rank's BatchNorm statistics and counters (its own micro-batches') go through its
+    rank{r}.buffers.pt, 0-dim ones included."""
+    def train(engine: object, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * world + rank))
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    cfg = _config(2, "cpu", tmp)
+    first = zero_offload.initialize(_model(), cfg)
+    train(first, range(2))
+    first.save_checkpoint(os.path.join(tmp, "ck"))
+    buffers = {k: v.clone() for k, v in first.module.named_buffers()}
+    want = train(first, range(2, 4))
+    first.close()
+    resumed = zero_offload.initialize(_model(), cfg)
+    resumed.load_checkpoint(os.path.join(tmp, "ck"))
+    for k, v in resumed.module.named_buffers():
+        assert v.dtype == buffers[k].dtype and torch.equal(v, buffers[k]), (rank, k)
+    assert train(resumed, range(2, 4)) == want
+    resumed.close()
+
+
+def test_each_ranks_odd_buffers_resume_at_d2(tmp_path: object) -> None:
+    from _dist import run_ranks
+
+    run_ranks(_ranks_save_and_resume, 2, timeout=120, tmp=str(tmp_path))
