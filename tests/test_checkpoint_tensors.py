@@ -116,7 +116,8 @@ def test_checksum_covers_the_bytes_of_every_shape_and_layout() -> None:
     assert checkpoint._crc(torch.zeros(0, 5)) == checkpoint._crc(torch.zeros(0, dtype=torch.bool)) == 0
     assert checkpoint._crc(base.t()) == checkpoint._crc(base.t().contiguous())  # as saved: in element order
     assert checkpoint._crc(base.t()) != checkpoint._crc(base)
-    assert checkpoint._crc(torch.ones(3, dtype=torch.bfloat16)) == checkpoint._crc(torch.ones(3, dtype=torch.bfloat16).view(torch.int16))
+    ones = torch.ones(3, dtype=torch.bfloat16)
+    assert checkpoint._crc(ones) == checkpoint._crc(ones.view(torch.int16))
 
 
 def test_a_sparse_buffer_is_refused_in_one_line(tmp_path: object) -> None:

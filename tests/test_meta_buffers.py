@@ -216,3 +216,28 @@ def test_rebuilding_is_bounded_and_checked(monkeypatch: pytest.MonkeyPatch) -> N
     engine = zero_offload.initialize(model, _cfg("Linear"), init_fn=lambda m: None)
     assert torch.equal(model.ids, torch.arange(4))
     engine.close()
+
+
+def test_a_buffer_shared_by_two_modules_stays_one_tensor() -> None:
+    class Rope(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.dim = dim
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim), persistent=False)
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.rope = Rope(4)
+            self.a.register_buffer("shared", self.rope.inv_freq, persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)).sum()
+
+    with torch.device("meta"):
+        model = Two()
+    engine = zero_offload.initialize(model, _cfg("Linear"), init_fn=lambda m: None)
+    assert torch.equal(model.rope.inv_freq, Rope(4).inv_freq)
+    assert model.a.shared is model.rope.inv_freq
+    engine.close()

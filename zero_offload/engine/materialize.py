@@ -79,7 +79,7 @@ class WeightFiller:
         # its projections and a rotary buffer): initialized once their whole subtree is in the
         # unit being filled, after what is below them, as model.apply(init_fn) goes.
         self.containers = [m for m in reversed(list(model.modules()))
-                           if not any(p is not None for p in m._parameters.values()) and next(m.parameters(), None) is not None]
+                           if all(p is None for p in m._parameters.values()) and next(m.parameters(), None) is not None]
         self.initialized: set[int] = set()  # id of every module the init was called on
         # Buffers get their values now, before any init runs: an init that writes a buffer (a
         # BatchNorm's reset_running_stats) writes over the constructor's value, as in eager construction.

@@ -35,22 +35,23 @@ class MetaBuffers:
                  shapes: Mapping[int, torch.Size]) -> None:
         """`shapes`: id(parameter) -> shape, for parameters already replaced by empty placeholders."""
         self.model, self.weights, self.source, self.shapes = model, weights, source, shapes
-        self._new: dict[int, torch.Tensor] = {}  # id(old buffer) -> its value: shared buffers stay shared
         self._placeholders: list[tuple[str, nn.Module, str, torch.Tensor, int, str]] = []
-        pending: dict[nn.Module, list[tuple[str, str]]] = {}
+        self._rebuilt: dict[int, tuple[nn.Module | None, str]] = {}  # id(module) -> rebuild(module)
+        pending: dict[int, list[tuple[str, nn.Module, str]]] = {}  # id(meta buffer) -> its registrations
+        loaded: dict[int, torch.Tensor] = {}  # id(buffer) -> the weights' value for it
         for mname, module in model.named_modules():
             for bname, b in module._buffers.items():
                 full = f"{mname}.{bname}" if mname else bname
                 if b is None:
                     continue
-                if id(b) in self._new:
-                    module._buffers[bname] = self._new[id(b)]
-                elif self._from_weights(full, module, bname, b):
-                    continue
+                if id(b) in loaded:  # a buffer registered twice: the first name the weights hold decides
+                    module._buffers[bname] = loaded[id(b)]
+                elif id(b) not in pending and self._from_weights(full, module, bname, b):
+                    loaded[id(b)] = module._buffers[bname]
                 elif b.is_meta:
-                    pending.setdefault(module, []).append((full, bname))
-        for module, names in pending.items():
-            self._fill_module(module, names)
+                    pending.setdefault(id(b), []).append((full, module, bname))
+        for registrations in pending.values():
+            self._fill(registrations)
 
     def _from_weights(self, full: str, module: nn.Module, bname: str, b: torch.Tensor) -> bool:
         """A persistent buffer the weights hold takes their value (a non-persistent one is not
@@ -61,25 +62,28 @@ class MetaBuffers:
         if value.shape != b.shape:
             raise ValueError(f"weights file {self.source}: buffer '{full}' has shape {tuple(value.shape)}, the model "
                              f"expects {tuple(b.shape)}")
-        self._set(module, bname, b, value.to(device="cpu", dtype=b.dtype, copy=True))
+        module._buffers[bname] = value.to(device="cpu", dtype=b.dtype, copy=True)
         return True
 
-    def _set(self, module: nn.Module, bname: str, old: torch.Tensor, value: torch.Tensor) -> None:
-        self._new[id(old)] = value
-        module._buffers[bname] = value
-
-    def _fill_module(self, module: nn.Module, names: list[tuple[str, str]]) -> None:
-        """The meta buffers `names` (full name, own name) of one module: from its rebuilt copy,
-        else placeholders with the reason it could not be rebuilt."""
-        rebuilt, why = rebuild(module, self.shapes)
-        for full, bname in names:
-            old = module._buffers[bname]
-            if rebuilt is not None:
-                self._set(module, bname, old, rebuilt._buffers[bname].detach())
-                continue
-            placeholder = torch.empty(old.shape, dtype=old.dtype)
-            self._set(module, bname, old, placeholder)
-            self._placeholders.append((full, module, bname, placeholder, placeholder._version, why))
+    def _fill(self, registrations: list[tuple[str, nn.Module, str]]) -> None:
+        """One meta buffer, under each (full name, module, own name) it is registered as: from the
+        first of its modules that can be rebuilt, else one placeholder with the first's reason."""
+        reasons = []
+        for _, module, bname in registrations:
+            if id(module) not in self._rebuilt:
+                self._rebuilt[id(module)] = rebuild(module, self.shapes)
+            built, why = self._rebuilt[id(module)]
+            if built is not None:
+                value = built._buffers[bname].detach()
+                for _, m, n in registrations:
+                    m._buffers[n] = value
+                return
+            reasons.append(why)
+        old = registrations[0][1]._buffers[registrations[0][2]]
+        placeholder = torch.empty(old.shape, dtype=old.dtype)
+        for full, module, bname in registrations:
+            module._buffers[bname] = placeholder
+            self._placeholders.append((full, module, bname, placeholder, placeholder._version, reasons[0]))
 
     def finish(self, device: torch.device, initialized: set[int]) -> None:
         """Refuse a placeholder no init wrote (neither replaced nor written in place), then move
@@ -92,7 +96,9 @@ class MetaBuffers:
         for module in self.model.modules():
             for bname, b in module._buffers.items():
                 if b is not None:
-                    module._buffers[bname] = moved.setdefault(id(b), b.to(device))
+                    if id(b) not in moved:
+                        moved[id(b)] = b.to(device)
+                    module._buffers[bname] = moved[id(b)]
 
     def _unwritten(self, full: str, module: nn.Module, why: str, init_called: bool) -> str:
         if init_called:
