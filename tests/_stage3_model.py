@@ -32,6 +32,7 @@ class Block3(nn.Module):
 class Model3(nn.Module):
     def __init__(self, n_blocks: int = 3) -> None:
         super().__init__()
+        self.n_blocks = n_blocks  # what meta construction rebuilds the root from, for its pos_ids
         self.tok = nn.Embedding(VOCAB, D)
         self.pos = nn.Parameter(torch.randn(SEQ, D) * 0.02)
         self.frozen_gain = nn.Parameter(torch.rand(D) + 0.5, requires_grad=False)

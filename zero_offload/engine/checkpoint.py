@@ -74,8 +74,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
+def _saved_form(name: str, t: torch.Tensor) -> torch.Tensor:
+    """What torch.save writes for `t` and what its checksum covers: a dense CPU tensor with its
+    elements in order (a non-contiguous one as its contiguous copy; a CPU contiguous one as is)."""
+    if t.layout != torch.strided:
+        raise CheckpointError(f"save_checkpoint: {name!r} has layout {t.layout}; checkpoints hold dense (strided) "
+                              "tensors only: keep it dense (.to_dense()) in the module")
+    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+
+
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    """CRC32 of `t`'s bytes, read in place: flattened first, since a 0-dim tensor has no
+    dimension to view as bytes (every BatchNorm's num_batches_tracked)."""
+    flat = _saved_form("a tensor", t).reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else 0
 
 
 def _describe(t: torch.Tensor) -> dict[str, Any]:
@@ -91,14 +103,15 @@ def _fsync_file(path: str) -> None:
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: str) -> dict[str, dict[str, Any]]:
+    saved = {k: _saved_form(k, v) for k, v in tensors.items()}  # described as written
     with _writing(path):
         # Through our own file object: torch's writer then fails with the OS error (ENOSPC) as
         # its context, instead of only "unexpected pos" when it writes to a path itself.
         with open(path, "wb") as f:
-            torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, f)
+            torch.save(saved, f)
             f.flush()
             os.fsync(f.fileno())
-    return {k: _describe(v) for k, v in tensors.items()}
+    return {k: _describe(v) for k, v in saved.items()}
 
 
 def _write_json(obj: Any, path: str) -> None:

@@ -14,7 +14,13 @@ With an init function, each module that is the first to register at least one of
 is initialized, once the unit holding those parameters is filled. A parameter it shares with a
 module that registered it first (the tied LM head's weight) keeps that module's values, as in
 eager construction where the tie replaces the head's own weight after its init; the head's own
-bias is initialized all the same.
+bias is initialized all the same. A module with parameters below it but none of its own is
+initialized once all of them are in the unit being filled (never, when they span several units),
+and a module with no parameters at all after every unit, as model.apply(init_fn) reaches both.
+
+Buffers are given their values before any init runs (meta_buffers.py: from the weights, or from
+the module's own constructor run again on the CPU), so what an init writes wins; a meta buffer
+nothing wrote fails initialize, naming it.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from zero_offload.engine.meta_buffers import MetaBuffers
 # The weight files' readers live in weights_files.py; their names stay importable from here.
 from zero_offload.engine.weights_files import load_safetensors, open_weights, save_safetensors  # noqa: F401
 
@@ -50,21 +57,6 @@ def replace_meta_params(model: nn.Module, dtype: torch.dtype, device: torch.devi
     return new
 
 
-def materialize_buffers(model: nn.Module, device: torch.device, weights: Mapping[str, torch.Tensor] | None) -> None:
-    """Buffers stay whole on the device (they are small); meta ones are filled from `weights` or zeroed."""
-    for mname, module in model.named_modules():
-        for bname, b in module._buffers.items():
-            if b is None:
-                continue
-            full = f"{mname}.{bname}" if mname else bname
-            if weights is not None and full in weights:
-                module._buffers[bname] = weights[full].to(device=device, dtype=b.dtype, copy=True)
-            elif b.is_meta:
-                module._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
-            else:
-                module._buffers[bname] = b.to(device)
-
-
 class WeightFiller:
     """Fills a unit's full fp32 values, parameter by parameter, from the chosen source."""
 
@@ -73,7 +65,7 @@ class WeightFiller:
                  shapes: Mapping[int, torch.Size] | None = None) -> None:
         """`shapes` (id(parameter) -> shape) lets a module be initialized while a parameter it
         borrows lives in a unit not filled yet (that parameter is then an empty placeholder)."""
-        self.meta, self.init_fn, self.weights, self.source = meta, init_fn, weights, source
+        self.model, self.meta, self.init_fn, self.weights, self.source = model, meta, init_fn, weights, source
         self.shapes = dict(shapes or {})
         self.first_owner: dict[int, nn.Module] = {}
         self.modules: list[nn.Module] = []
@@ -83,6 +75,26 @@ class WeightFiller:
                 self.first_owner.setdefault(id(p), module)
             if any(self.first_owner[id(p)] is module for p in direct):
                 self.modules.append(module)
+        # Modules with parameters below them but none of their own (an attention block holding
+        # its projections and a rotary buffer): initialized once their whole subtree is in the
+        # unit being filled, after what is below them, as model.apply(init_fn) goes.
+        self.containers = [m for m in reversed(list(model.modules()))
+                           if all(p is None for p in m._parameters.values()) and next(m.parameters(), None) is not None]
+        self.initialized: set[int] = set()  # id of every module the init was called on
+        # Buffers get their values now, before any init runs: an init that writes a buffer (a
+        # BatchNorm's reset_running_stats) writes over the constructor's value, as in eager construction.
+        self.buffers = MetaBuffers(model, weights, source, self.shapes)
+
+    def finish(self, device: torch.device) -> None:
+        """After every unit is filled: the init of the modules holding no parameters at all (a
+        rotary embedding; as model.apply(init_fn) would reach them), then every buffer checked
+        to have a value and moved to `device`."""
+        if self.meta and self.weights is None:
+            with torch.no_grad():
+                for module in reversed(list(self.model.modules())):  # below before above, as model.apply
+                    if next(module.parameters(), None) is None:
+                        self._init_keeping(module, [], set())
+        self.buffers.finish(device, self.initialized)
 
     def fill(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor], live: list[torch.Tensor | None]) -> None:
         """views[i] (fp32, shaped) receives the initial value of named[i]; live[i] is its current data."""
@@ -106,7 +118,8 @@ class WeightFiller:
 
     def _run_init(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor]) -> None:
         """Point the parameters at the fp32 views and call init_fn on the modules whose own
-        parameters (those they registered first) are all among them."""
+        parameters (those they registered first) are all among them, then on the containers
+        whose every parameter is."""
         params = {id(p) for _, p in named}
         for (_, p), view in zip(named, views):
             p.data = view
@@ -116,6 +129,11 @@ class WeightFiller:
                 if all(id(p) in params for p in direct if self.first_owner[id(p)] is module):
                     borrowed = [p for p in direct if self.first_owner[id(p)] is not module]
                     self._init_keeping(module, borrowed, params)
+            for module in self.containers:
+                below = list(module.parameters())
+                if id(module) not in self.initialized and all(id(p) in params for p in below):
+                    inside = set(map(id, module.modules()))
+                    self._init_keeping(module, [p for p in below if id(self.first_owner[id(p)]) not in inside], params)
 
     def _init_keeping(self, module: nn.Module, borrowed: list[nn.Parameter], filled: set[int]) -> None:
         """The module's reset_parameters, then init_fn(module), with the parameters it borrows from their first owner left as they
@@ -125,6 +143,7 @@ class WeightFiller:
         for p, _ in kept:
             if id(p) not in filled:
                 p.data = torch.empty(self.shapes[id(p)], dtype=torch.float32)
+        self.initialized.add(id(module))
         try:
             # As eager construction then model.apply(init_fn): the module's own initialization
             # first, so what init_fn leaves alone (a LayerNorm's weight) is not left at zero.

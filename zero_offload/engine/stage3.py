@@ -118,7 +118,7 @@ class Stage3Runtime:
                                               shapes=shapes)
             for u in self.units:
                 self._materialize(u, filler)
-            materialize.materialize_buffers(model, self.device, source)
+            filler.finish(self.device)  # every buffer has its value (or initialize fails naming it)
             for b in model.buffers():
                 comm.broadcast_(b.data, 0)
             del source

@@ -1,6 +1,7 @@
 """The files a meta model's weights come from (`weights=`), read lazily through mmap.
 
-Accepted: one .safetensors file; one torch state dict (.bin, .pt, .pth: `torch.load` with
+Accepted: one .safetensors file (read by the safetensors package's `safe_open`, imported only
+when such a file is used: every dtype it and torch both know); one torch state dict (.bin, .pt, .pth: `torch.load` with
 weights_only=True, so nothing but tensors is ever unpickled, and mmap=True, so nothing is read up
 front); a Hugging Face index of shards (*.safetensors.index.json or *.bin.index.json: its
 "weight_map" maps each tensor name to a shard file in the index's folder); or a folder holding
@@ -18,17 +19,12 @@ still loads unit by unit.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 from collections import OrderedDict
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 ACCEPTED = ("a .safetensors file, a torch state dict (.bin, .pt, .pth), a Hugging Face index of shards "
@@ -118,7 +114,7 @@ def _check_shard(index: str, shard: str, path: str, names: list[str]) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"weights index {index} names shard {shard}, which does not exist ({path})")
     if path.endswith(".safetensors"):
-        have = read_safetensors_header(path)[0].keys()
+        have = load_safetensors(path)  # its header only
     elif path.endswith(TORCH_SUFFIXES):
         have = load_torch(path).keys()
     else:
@@ -172,56 +168,63 @@ def load_torch(path: str) -> Mapping[str, torch.Tensor]:
     return sd
 
 
-def read_safetensors_header(path: str) -> tuple[dict, int]:
-    """A .safetensors file's JSON header (without "__metadata__") and where its data begins."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-        if 8 + n > size:
-            raise ValueError(f"weights file {path} is not a safetensors file (too short for its header)")
+def _safe_open() -> Callable[..., Any]:
+    """safetensors' reader, imported only when a .safetensors file is used (an optional dependency)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError("reading .safetensors weights needs the safetensors package: pip install safetensors "
+                          "(or pip install zero_offload[hf])") from None
+    return safe_open
+
+
+class SafetensorsFile(Mapping[str, torch.Tensor]):
+    """name -> tensor of one .safetensors file through safetensors' own reader: opening reads
+    only the header; each tensor is read (from the file's mapping) when asked for, in any dtype
+    the package and torch both have (bf16, fp16, fp8, unsigned and signed integers, bool, ...)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        safe_open = _safe_open()
         try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"weights file {path} is not a safetensors file (its header is not JSON: {e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"weights file {path} is not a safetensors file (its header is not a JSON object)")
-    header.pop("__metadata__", None)
-    return header, 8 + n
+            self._file = safe_open(path, framework="pt", device="cpu")
+            self._names = list(self._file.keys())
+        except Exception as exc:
+            raise ValueError(f"weights file {path} is not a readable safetensors file ({_one_line(exc)})") from None
+        self._known = set(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        try:
+            return self._file.get_tensor(name)
+        except Exception as exc:
+            raise ValueError(f"weights file {self.path}: cannot read '{name}' ({_one_line(exc)})") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
-def load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a .safetensors file as read-only views of a private mmap (nothing read up front)."""
-    header, start = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return {name: _view(mm, start, name, meta, path) for name, meta in header.items()}
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _view(mm: mmap.mmap, start: int, name: str, meta: dict, path: str) -> torch.Tensor:
-    """One tensor of the file; the view keeps the mmap alive (torch.frombuffer holds it)."""
-    dtype = ST_DTYPES.get(meta["dtype"])
-    if dtype is None:
-        raise ValueError(f"weights file {path}: '{name}' has dtype {meta['dtype']}, which this reader does not "
-                         f"handle ({', '.join(ST_DTYPES)})")
-    lo, hi = meta["data_offsets"]
-    flat = torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=start + lo) if hi > lo else \
-        torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(meta["shape"])
+def load_safetensors(path: str) -> SafetensorsFile:
+    """The tensors of a .safetensors file, read lazily (see SafetensorsFile)."""
+    return SafetensorsFile(path)
 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
-    """Write a .safetensors file (the tests write their weight files with it)."""
-    names = {v: k for k, v in ST_DTYPES.items()}
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in tensors.values():
-            f.write(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    """Write a .safetensors file through the safetensors package (the tests write their weight
+    files with it); each tensor is copied first, so tied tensors may be given as they are."""
+    _safe_open()  # the same one-line error when the package is missing
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, path)
