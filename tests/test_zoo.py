@@ -314,3 +314,20 @@ def test_peer_model_is_the_peers() -> None:
     assert all(torch.equal(v, ours.state_dict()[k]) for k, v in theirs.state_dict().items())
     batch = zoo.tokens_lm(0, zoo.ROWS)
     assert torch.equal(zoo.peer_loss(theirs, batch), zoo.peer_loss(ours, batch))
+
+
+def test_package_never_imports_the_test_dependencies() -> None:
+    """transformers, peft, safetensors and accelerate are test dependencies (and the hf extra):
+    no module of the package imports them, at any depth of its code."""
+    import ast
+    import glob
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "zero_offload")
+    banned = {"transformers", "peft", "safetensors", "accelerate"}
+    found = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{os.path.relpath(path, root)}: {n}" for n in names if n.split(".")[0] in banned]
+    assert not found, found
