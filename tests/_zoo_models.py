@@ -353,8 +353,8 @@ def reference(name: str, steps: int, rows: int, hyper: Hyper, dtype: torch.dtype
                 for (_, p), m in zip(named, masters):
                     p.copy_(m)
         losses.append(float(loss.detach()))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state.update({n: m.detach().clone() for (n, _), m in zip(named, masters)})
+    master_of = {id(p): m for (_, p), m in zip(named, masters)}  # every name of a tied parameter
+    state = {k: master_of.get(id(v), v).detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
     first = {id(p): n for n, p in reversed(list(model.named_parameters()))}
     by_key = {k: noise[first[id(v)]] for k, v in model.state_dict(keep_vars=True).items()
               if first.get(id(v)) in noise}  # a tied parameter's every name
