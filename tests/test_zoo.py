@@ -257,10 +257,10 @@ def _rank_case(name: str, stage: int, form: str, rank: int, world: int, comm: An
 
 
 def test_two_ranks_match_adamw() -> None:
-    """D = 2 (gloo) for a dense model (Llama) and the per-expert MoE (Switch), against AdamW on the
-    global batch; one pair of spawned ranks for both, as each pays for importing torch and
-    transformers."""
-    run_ranks(_ranks_zoo, 2, timeout=240, names=("llama", "switch"))
+    """D = 2 (gloo) for a dense model (Llama), the fused MoE (Mixtral) and the per-expert MoE
+    (Switch), against AdamW on the global batch; one pair of spawned ranks for all, as each pays
+    for importing torch and transformers."""
+    run_ranks(_ranks_zoo, 2, timeout=300, names=("llama", "mixtral", "switch"))
 
 
 # ----------------------------------------------------------------------------- checkpoints
