@@ -5,8 +5,12 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 # torch==2.13.0: on the machines we develop on, pip's configured index serves the CPU build from
 # a local wheel directory; elsewhere set PIP_INDEX_URL=https://download.pytorch.org/whl/cpu, or
-# PyPI resolves the multi-GB CUDA build.
-DEPS := torch==2.13.0 numpy psutil aiofiles pytest tqdm setuptools wheel
+# PyPI resolves the multi-GB CUDA build. transformers, peft, safetensors and accelerate are test
+# dependencies only (tests/test_zoo.py builds tiny models from their config classes; the package
+# never imports them), pinned to the versions the zoo was written against; installed in the same
+# pip command as torch==2.13.0, so none of them can bring another torch.
+DEPS := torch==2.13.0 numpy psutil aiofiles pytest tqdm setuptools wheel \
+	transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 accelerate==1.15.0
 
 .PHONY: demo test native setup clean
 

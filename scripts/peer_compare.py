@@ -9,9 +9,20 @@ machine. It never imports DeepSpeed itself: the peer runs in its own virtualenv 
 
     python scripts/peer_compare.py --ds-python /tmp/dsvenv/bin/python --rounds 2
 
-Our configs:
-  zo_stage2_cpu    stage 2, optimizer state and gradients on cpu (vs DeepSpeed zero2_cpu)
-  zo_stage3_nvme   stage 3, parameters and optimizer state on nvme (vs zero3_nvme_maxcpu0)
+Our configs, each beside the DeepSpeed config it is compared with:
+  zo_stage2_cpu       stage 2, optimizer state and gradients on cpu (vs DeepSpeed zero2_cpu)
+  zo_stage2_cpu_ds    the very DeepSpeed config zero2_cpu runs (ds_e2e.py's make_ds_config), read
+                      by our DeepSpeed on-ramp: what a DeepSpeed user gets without tuning anything
+  zo_stage3_nvme      stage 3, parameters and optimizer state on nvme, tuned: unit_modules
+                      ["Block"] (vs zero3_nvme_maxcpu0)
+  zo_stage3_nvme_ds   zero3_nvme_maxcpu0's own DeepSpeed config, read by our on-ramp: no
+                      unit_modules (the default unit policy), its overlap_comm false (our
+                      overlap_step), and our default staging budget, which holds this model's
+                      optimizer state, so it reads less from the drive: the read MiB column shows it
+
+The model and data sizes default to the peer's (--n-layer 8 --d-model 512 ...); smaller ones
+(e.g. --only-ours --rounds 1 --warmup 1 --steps 1 --n-layer 2 --d-model 64 --seq 16 --vocab 256)
+check the script end to end in seconds; only the peer's sizes compare with its figures.
 """
 from __future__ import annotations
 
@@ -28,25 +39,39 @@ import time
 from typing import Any
 
 TAG = "PEER_COMPARE_RESULT "
-PAIRS = [("torch", None), ("zero2_cpu", "zo_stage2_cpu"), ("zero3_nvme_maxcpu0", "zo_stage3_nvme")]
+# Each DeepSpeed config and ours against it: tuned, then its own config read by our on-ramp.
+PAIRS = [("torch", ()), ("zero2_cpu", ("zo_stage2_cpu", "zo_stage2_cpu_ds")),
+         ("zero3_nvme_maxcpu0", ("zo_stage3_nvme", "zo_stage3_nvme_ds"))]
+SIZES = (("n_layer", 8), ("d_model", 512), ("n_head", 8), ("seq", 128), ("batch", 4), ("vocab", 8192))
+
+
+def _default_peer_script() -> str:
+    """../shared/peer/ds_e2e.py beside the repository (one level further up from a worktree)."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    candidates = [os.path.normpath(os.path.join(root, *up, "shared", "peer", "ds_e2e.py")) for up in (("..",), ("..", ".."))]
+    return next((c for c in candidates if os.path.isfile(c)), candidates[0])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    here = os.path.dirname(os.path.abspath(__file__))
-    p.add_argument("--peer-script", default=os.path.join(here, "..", "..", "shared", "peer", "ds_e2e.py"))
+    p.add_argument("--peer-script", default=_default_peer_script())
     p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python", help="python of a venv with deepspeed")
     p.add_argument("--workdir", default=None, help="scratch dir on the drive under test (default: a temp dir)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--only-ours", action="store_true", help="skip the DeepSpeed runs")
+    for name, default in SIZES:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help=f"model / data size, as ds_e2e.py's (default {default})")
     p.add_argument("--override", default="{}", help="JSON merged into our configs, e.g. '{\"overlap_step\": false}'")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    if any(getattr(args, n) < 1 for n, _ in SIZES) or args.d_model % args.n_head:
+        p.error("the sizes must be >= 1 and --d-model a multiple of --n-head")
     if not os.path.isfile(args.peer_script):
         p.error(f"--peer-script {args.peer_script}: no such file")
     try:
@@ -69,11 +94,27 @@ def _peer_module(path: str) -> Any:
     return module
 
 
-def _config(name: str, nvme_dir: str, override: str = "{}") -> Any:
+def _config(args: argparse.Namespace, peer: Any, nvme_dir: str) -> Any:
     from zero_offload import Config
 
-    base = _base_config(name, nvme_dir)
-    return Config.from_dict({**base.to_dict(), **json.loads(override)}) if override != "{}" else base
+    base = _ds_form(args, peer, nvme_dir) if args.worker.endswith("_ds") else _base_config(args.worker, nvme_dir)
+    return Config.from_dict({**base.to_dict(), **json.loads(args.override)}) if args.override != "{}" else base
+
+
+def _ds_form(args: argparse.Namespace, peer: Any, nvme_dir: str) -> Any:
+    """The DeepSpeed config the peer runs for the paired DeepSpeed config (its make_ds_config, with
+    its defaults and these sizes), given to our on-ramp as a DeepSpeed user would give it."""
+    import warnings
+
+    from zero_offload import Config, IgnoredDeepSpeedKeys
+
+    ds_name = {"zo_stage2_cpu_ds": "zero2_cpu", "zo_stage3_nvme_ds": "zero3_nvme_maxcpu0"}[args.worker]
+    peer_args = peer.parse_args(["--workdir", nvme_dir] + _size_argv(args))
+    largest = max(max(args.vocab, args.seq) * args.d_model, 4 * args.d_model * args.d_model)  # as ds_e2e.py
+    ds = peer.make_ds_config(peer_args, ds_name, nvme_dir, 1, largest)
+    with warnings.catch_warnings():  # its logging and tuning keys: accepted without effect, as documented
+        warnings.simplefilter("ignore", IgnoredDeepSpeedKeys)
+        return Config.from_dict(ds)
 
 
 def _base_config(name: str, nvme_dir: str) -> Any:
@@ -89,6 +130,10 @@ def _base_config(name: str, nvme_dir: str) -> Any:
                       nvme_paths=(nvme_dir,), pinned_budget_bytes=64 << 20,
                       stage3={"unit_modules": ["Block"]}, **common)
     raise SystemExit(f"unknown config {name}")
+
+
+def _size_argv(args: argparse.Namespace) -> list[str]:
+    return [a for n, _ in SIZES for a in ("--" + n.replace("_", "-"), str(getattr(args, n)))]
 
 
 def _proc_io() -> dict[str, int]:
@@ -114,14 +159,15 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     GPT = peer.build_model_classes()
     g = torch.Generator().manual_seed(1234 + 1)
-    data = [(torch.randint(0, 8192, (4, 128), generator=g), torch.randint(0, 8192, (4, 128), generator=g))
+    shape = (args.batch, args.seq)
+    data = [(torch.randint(0, args.vocab, shape, generator=g), torch.randint(0, args.vocab, shape, generator=g))
             for _ in range(args.warmup + args.steps)]
     torch.manual_seed(1234)
-    model = GPT(vocab=8192, seq=128, d=512, n_layer=8, n_head=8)
+    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d_model, n_layer=args.n_layer, n_head=args.n_head)
     model.init_weights()
     nparams = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=args.workdir) as nvme_dir:
-        engine = zero_offload.initialize(model, _config(args.worker, nvme_dir, args.override))
+        engine = zero_offload.initialize(model, _config(args, peer, nvme_dir))
         times: dict[str, list[float]] = {"fwd": [], "bwd": [], "step": [], "total": []}
         io0 = None
         for i, (x, y) in enumerate(data):
@@ -159,7 +205,7 @@ def run_peer(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any
     # DeepSpeed JIT-builds its CPU Adam and async I/O ops into TORCH_EXTENSIONS_DIR on first use.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MAX_JOBS": "2"}
     res = _run([args.ds_python, args.peer_script, "--workdir", workdir, "--config", name,
-                "--warmup", str(args.warmup), "--steps", str(args.steps)], env, "DS_E2E_RESULT ")
+                "--warmup", str(args.warmup), "--steps", str(args.steps)] + _size_argv(args), env, "DS_E2E_RESULT ")
     return {"config": name, "total_s_median": res["step_s_median"], "fwd_s_median": res["fwd_s_median"],
             "bwd_s_median": res["bwd_s_median"], "step_s_median": res["opt_s_median"],
             "disk_read_mib_per_step": res.get("disk_read_mib_per_step"),
@@ -170,7 +216,7 @@ def run_peer(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any
 def run_ours(args: argparse.Namespace, name: str, workdir: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--peer-script", args.peer_script,
            "--workdir", workdir, "--warmup", str(args.warmup), "--steps", str(args.steps), "--override", args.override]
-    return _run(cmd, dict(os.environ), TAG)
+    return _run(cmd + _size_argv(args), dict(os.environ), TAG)
 
 
 def orchestrate(args: argparse.Namespace) -> None:
@@ -193,7 +239,7 @@ def _orchestrate(args: argparse.Namespace, root: str) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
         for peer_name, ours in PAIRS:
-            jobs = ([] if args.only_ours else [("ds", peer_name)]) + ([("zo", ours)] if ours else [])
+            jobs = ([] if args.only_ours else [("ds", peer_name)]) + [("zo", name) for name in ours]
             for who, name in jobs:
                 res = run_peer(args, name, root) if who == "ds" else run_ours(args, name, root)
                 results.setdefault(name, []).append(res)
@@ -217,12 +263,14 @@ def _print_table(summary: dict[str, dict[str, Any]]) -> None:
               f"{s['disk_write_mib_per_step'] or 0:10.0f}{s['peak_rss_mib']:10.0f}")
     base = summary.get("torch", {}).get("total_s_median")
     for peer_name, ours in PAIRS:
-        if ours in summary and peer_name in summary:
-            speedup = summary[peer_name]["total_s_median"] / summary[ours]["total_s_median"]
-            verdict = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
-            print(f"{ours} vs DeepSpeed {peer_name}: {verdict}")
-        if ours in summary and base:
-            print(f"{ours} vs plain torch loop: {summary[ours]['total_s_median'] / base:.2f}x the torch step time")
+        for name in ours:
+            if name in summary and peer_name in summary:
+                speedup = summary[peer_name]["total_s_median"] / summary[name]["total_s_median"]
+                verdict = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+                print(f"{name} vs DeepSpeed {peer_name}: {verdict}")
+        for name in ours:
+            if name in summary and base:
+                print(f"{name} vs plain torch loop: {summary[name]['total_s_median'] / base:.2f}x the torch step time")
 
 
 def main() -> None:
