@@ -413,7 +413,7 @@ def _nllb_moe_ranks(rank: int, world: int) -> None:
                 "labels": torch.randint(3, 128, (2, 6), generator=g)}
     def make() -> nn.Module:
         torch.manual_seed(0)
-        model = _nllb_moe().train()  # the engine trains (a model built from a config starts in eval mode)
+        model = _nllb_moe()
         # A key bias's true gradient is exactly zero (softmax ignores a shift): Adam would amplify
         # its rounding noise, which differs between two correct summation orders (_engine_model.py).
         for n, p in model.named_parameters():
