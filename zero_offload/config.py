@@ -180,9 +180,11 @@ class Stage3Config(_Fields):
     """Stage 3: how parameters are grouped into units and how far ahead they are fetched.
 
     live_budget_bytes caps the gathered compute copies alive at once (prefetched ones included).
-    unit_modules names module classes that each form a unit (e.g. "Block"); with none, modules
-    are grouped greedily up to unit_bytes. Parameters of units smaller than resident_bytes stay
-    on the device, gathered once.
+    unit_modules names module classes that each form a unit (e.g. "Block"); with none, each item
+    of a repeated stack of blocks is a unit, and other modules are grouped up to unit_bytes
+    (engine/unit_policy.py). leaf_modules names classes whose whole subtree is one unit (an MoE
+    layer, whose router picks different experts on different ranks), with or without
+    unit_modules. Parameters of units smaller than resident_bytes stay on the device, gathered once.
     """
 
     live_budget_bytes: int = 1 * GiB
@@ -190,13 +192,16 @@ class Stage3Config(_Fields):
     unit_modules: tuple[str, ...] = ()
     unit_bytes: int = 64 * MiB
     resident_bytes: int = 0
+    leaf_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("stage3.live_budget_bytes", self.live_budget_bytes, 1)
         _check_int("stage3.prefetch_depth", self.prefetch_depth, 0, 64)
-        if not isinstance(self.unit_modules, (list, tuple)) or not all(isinstance(m, str) for m in self.unit_modules):
-            _fail("stage3.unit_modules", self.unit_modules, "expected a list of module class names")
-        object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
+        for name in ("unit_modules", "leaf_modules"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(m, str) for m in value):
+                _fail(f"stage3.{name}", value, "expected a list of module class names")
+            object.__setattr__(self, name, tuple(value))
         _check_int("stage3.unit_bytes", self.unit_bytes, 1)
         _check_int("stage3.resident_bytes", self.resident_bytes, 0)
 

@@ -3,7 +3,9 @@
 A key whose meaning we do not reproduce is never silently dropped. Every key is one of:
 
 - mapped onto our Config: the stage, the offload blocks' tiers and paths, precision, the
-  optimizer, clipping, the batch sizes and the aio block;
+  optimizer, clipping, the batch sizes, the aio block, and zero_optimization.leaf_module.classes
+  (the modules DeepSpeed fetches whole, an MoE layer: stage3.leaf_modules, by class name; its
+  `names` and `name_suffixes` are refused);
 - accepted without effect (_INERT_KEYS): DeepSpeed's logging, and knobs that only tune DeepSpeed's
   own implementation (its buffer pools, its optimizer tile, which collective it calls), so what is
   stored where and what the step computes are the same whatever their value. They are still
@@ -153,7 +155,7 @@ _DS_ONLY = (_TOP | set(_REFUSED_TOP)) - _OURS_FIELDS
 _OURS_ONLY = _OURS_FIELDS - _TOP
 _ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm",
          "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-         "stage3_param_persistence_threshold"} | _keys_under(("zero_optimization",))
+         "stage3_param_persistence_threshold", "leaf_module"} | _keys_under(("zero_optimization",))
 _ZERO_ONLY = _ZERO - _OURS_FIELDS  # all but stage: they mark a bare zero_optimization block
 _OFFLOAD = {"device", "nvme_path", "pin_memory"}
 # stage3_* key -> our stage3 field (DeepSpeed counts elements, we bytes)
@@ -197,6 +199,7 @@ _ALLOWED: dict[tuple[str, ...], set[str]] = {
     (): _TOP,
     ("zero_optimization",): _ZERO,
     **{("zero_optimization", block): _OFFLOAD | _keys_under(("zero_optimization", block)) for block in _BLOCK_GROUP},
+    ("zero_optimization", "leaf_module"): {"classes"},
     ("aio",): _AIO | _keys_under(("aio",)),
     ("bf16",): {"enabled"},
     ("fp16",): {"enabled", *_FP16_KEYS},
@@ -424,13 +427,30 @@ def _optimizer(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _stage3(zero: Mapping[str, Any], stage: int, dtype_bytes: int) -> dict[str, Any]:
-    """The stage3_* sizes, refused by name below stage 3 (where they would do nothing)."""
-    given = [k for k in _STAGE3_KEYS if k in zero]
+    """The stage3_* sizes and the leaf module classes, refused by name below stage 3 (where they
+    would do nothing)."""
+    leaves = _leaf_classes(zero)
+    given = [k for k in _STAGE3_KEYS if k in zero] + (["leaf_module.classes"] if leaves else [])
     if given and stage in (0, 1, 2):  # a stage out of range is the error to report, by Config
         raise ConfigError(f"DeepSpeed key(s) {', '.join('zero_optimization.' + k for k in given)} apply only "
                           f"to stage 3, but zero_optimization.stage is {stage}")
-    return {_STAGE3_KEYS[k]: _number(zero[k], f"zero_optimization.{k}", integer=True) * dtype_bytes
-            for k in given}
+    out: dict[str, Any] = {_STAGE3_KEYS[k]: _number(zero[k], f"zero_optimization.{k}", integer=True) * dtype_bytes
+                           for k in given if k in _STAGE3_KEYS}
+    if leaves:
+        out["leaf_modules"] = leaves
+    return out
+
+
+def _leaf_classes(zero: Mapping[str, Any]) -> list[str]:
+    """leaf_module.classes: DeepSpeed matches a class by its name or its module path and name
+    (one string is one class); ours are names, so a path keeps its last part."""
+    value = _section(zero, "leaf_module", "zero_optimization").get("classes", [])
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(c, str) and c.strip(".") for c in items):
+        key, kind = "zero_optimization.leaf_module.classes", "a list of module class names"
+        raise _bad(key, value, kind) if not isinstance(value, list) else ConfigError(
+            f"DeepSpeed key '{key}' = {value!r} is invalid: expected {kind}")
+    return [c.rpartition(".")[2] for c in items]
 
 
 def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:

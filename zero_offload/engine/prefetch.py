@@ -21,7 +21,7 @@ budget is never exceeded, not even briefly.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -33,13 +33,15 @@ _REDUCE_HINT = (", and a parameter must get a gradient on every rank or on none 
                 "into the loss)")
 
 
-def check_same_unit(unit: Unit, purpose: str = "gather") -> None:
+def check_same_unit(unit: Unit, purpose: str = "gather", siblings: Mapping[int, tuple[str, str]] | None = None) -> None:
     """Every rank must gather (or reduce) the same unit now; a tiny all-reduce checks it before the
     collective, so ranks whose control flow diverged fail at once with a message instead of hanging
     in mismatched collectives, or pairing them (all of them are in this same all-reduce, whatever
     unit each one wanted). The code tells a reduction from a gather, and a gather with grad from
     one without: an evaluation forward on rank 0 alone would otherwise pair its gathers with the
-    other ranks' training gathers of the same units and hang later, in the next mismatch."""
+    other ranks' training gathers of the same units and hang later, in the next mismatch.
+    `siblings` (unit_policy.Plan.siblings) tells two items of one list apart: experts that a
+    router sent each rank's tokens to, which the message says how to keep in one unit."""
     if comm.world_size() == 1:
         return
     kind = 1 if purpose == "reduce" else (0 if torch.is_grad_enabled() else 2)
@@ -50,7 +52,7 @@ def check_same_unit(unit: Unit, purpose: str = "gather") -> None:
     if low != high:
         raise RuntimeError(f"stage 3: ranks {purpose} different units next (rank {comm.rank()}: {purpose} "
                            f"'{unit.name}'{_KIND_NOTE[kind]}); every rank must run the same modules in the same "
-                           f"order{_hint(low % 4, high % 4)}")
+                           f"order{_hint(low % 4, high % 4) or _routing_hint(low // 4, high // 4, siblings or {})}")
 
 
 _KIND_NOTE = {0: " with grad", 1: "", 2: " without grad"}
@@ -64,6 +66,18 @@ def _hint(*kinds: int) -> str:
     if 0 in kinds and 2 in kinds:
         return ", with grad or without (an evaluation forward must run on every rank, or on none)"
     return ""
+
+
+def _routing_hint(a: int, b: int, siblings: Mapping[int, tuple[str, str]]) -> str:
+    """Two items of lists of one class each (per-expert units: a router chose them by token), or
+    any other pair."""
+    if a in siblings and b in siblings:
+        lists = " and ".join(f"'{w}'" for w in sorted({siblings[a][0], siblings[b][0]}))
+        owners = sorted({siblings[a][1], siblings[b][1]})
+        return (f"; both are items of {lists}: if a router picks them by token (experts), make the module "
+                f"holding them one unit: stage3.leaf_modules={owners}")
+    return ("; experts that a router picks by token must be one unit: name the class of the module holding "
+            "them in stage3.leaf_modules")
 
 
 class LiveBudget:
@@ -130,12 +144,14 @@ class Schedule:
 class Prefetcher:
     """Brings units to GATHERED when used (on demand or from a prefetch) and releases them."""
 
-    def __init__(self, units: Sequence[Unit], budget: int, depth: int) -> None:
+    def __init__(self, units: Sequence[Unit], budget: int, depth: int,
+                 siblings: Mapping[int, tuple[str, str]] | None = None) -> None:
         # prefetched: units fetched ahead (FETCHING) or kept after a use (GATHERED), not yet used again
         self.units = list(units)
         self.budget = LiveBudget(budget)
         self.depth = depth
         self.schedule = Schedule()
+        self.siblings = dict(siblings or {})  # unit_policy.Plan.siblings, for check_same_unit's message
         self.prefetched: list[Unit] = []
         self.on_demand = 0  # fetches the step waited for in full (statistics)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-prefetch")
@@ -145,7 +161,7 @@ class Prefetcher:
 
     def use(self, unit: Unit) -> None:
         """`unit` is needed now: make it GATHERED, then start prefetching what comes next."""
-        check_same_unit(unit)
+        check_same_unit(unit, siblings=self.siblings)
         following = self.schedule.note_use(unit.index)
         if not following:
             self._drop_prefetched(keep=unit)

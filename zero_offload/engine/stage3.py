@@ -41,7 +41,7 @@ from zero_offload.engine.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.slots import check_slots, param_slots
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
-from zero_offload.engine.unit_policy import Plan, plan_units
+from zero_offload.engine.unit_policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.trace import tracer
@@ -65,11 +65,7 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-def _counts_inputs(u: Unit) -> bool:
-    """Whether a unit's uses are counted through the gradient of their inputs: a unit with
-    frozen parameters. Its trainable parameters' gradients (if any) can all be in while a frozen
-    weight is still needed for the gradient of the unit's inputs (LoRA: frozen base weights and
-    trainable adapters in one block), so only the inputs' gradient says the weights may go."""
+def _has_frozen(u: Unit) -> bool:
     return any(not g.trainable for g in u.groups)
 
 
@@ -96,6 +92,8 @@ class Stage3Runtime:
                 up.params = [(n, new.get(id(p), p)) for n, p in up.params]
             shapes = {(id(new[k]) if k in new else k): s for k, s in shapes.items()}
         self._handles: list = []
+        self._root_check: RootCheck | None = None
+        self._routed = plan.routed
         self.prefetcher: Prefetcher | None = None
         self.shard_optimizer: ShardOptimizer | None = None
         self.accumulator: Accumulator | None = None
@@ -122,12 +120,15 @@ class Stage3Runtime:
             for b in model.buffers():
                 comm.broadcast_(b.data, 0)
             del source
-            self.prefetcher = Prefetcher(self.units, config.stage3.live_budget_bytes, config.stage3.prefetch_depth)
+            self.prefetcher = Prefetcher(self.units, config.stage3.live_budget_bytes, config.stage3.prefetch_depth,
+                                         plan.siblings)
             self._gather_resident()
             self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
             self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
             self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
             self._handles += [m.register_state_dict_pre_hook(self._guard_state_dict) for m in self.users]
+            self._root_check = RootCheck(model, plan, lambda i: self.units[i].state is UnitState.GATHERED,
+                                         named=bool(config.stage3.unit_modules))
             self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
                                                       device=self.device, rank=self.rank,
                                                       capacity_bytes=(1 << 20)))  # NVMe files grow on demand
@@ -230,12 +231,22 @@ class Stage3Runtime:
                 u.finish_gather()
 
     # ---- hook target ----
+    def _counts_inputs(self, u: Unit) -> bool:
+        """Whether a unit's uses are counted through the gradient of their inputs. A unit with
+        frozen parameters: its trainable parameters' gradients (if any) can all be in while a
+        frozen weight is still needed for the gradient of its inputs (LoRA: frozen base weights and
+        trainable adapters in one block), so only the inputs' gradient says the weights may go. A
+        routed unit (experts, Plan.routed) is also reduced then, never when its parameters have all
+        reported: an expert no token reached on one rank reports on another, and the ranks would
+        reduce it at different times."""
+        return _has_frozen(u) or u.index in self._routed
+
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
-        """A use of a unit with frozen parameters is watched in forward, and in backward when it
-        recomputes a use the forward made without grad (a reentrant checkpoint's)."""
+        """A use of a unit that counts its inputs (_counts_inputs) is watched in forward, and in
+        backward when it recomputes a use the forward made without grad (a reentrant checkpoint's)."""
         if self.phase is Phase.BACKWARD:
             return any(self._unwatched.get(u.index, 0) for u in units)
-        return any(_counts_inputs(u) for u in units)
+        return any(self._counts_inputs(u) for u in units)
 
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: hooks.InputWatch | None) -> None:
         self._segment_end()
@@ -256,7 +267,7 @@ class Stage3Runtime:
         """A use of a unit with frozen parameters: watched ones are counted until their inputs'
         gradient comes; one made without grad in forward is remembered, so that its
         recomputation in backward (a reentrant checkpoint) is watched instead."""
-        if not _counts_inputs(u):
+        if not self._counts_inputs(u):
             return
         if watched:
             self._exits[u.index] = self._exits.get(u.index, 0) + 1
@@ -296,9 +307,9 @@ class Stage3Runtime:
         self._segment_end()
         for u in units:
             left = self._exits.get(u.index, 0)
-            if _counts_inputs(u) and left > 0:
+            if self._counts_inputs(u) and left > 0:
                 self._exits[u.index] = left - 1
-                if left == 1 and u.trainable is None:
+                if left == 1 and (u.trainable is None or u.index in self._routed):
                     self._finish_unit(u)
                 elif left == 1 and u.index in self._done:
                     self._let_go(u)
@@ -317,7 +328,7 @@ class Stage3Runtime:
             raise RuntimeError(_TWICE.format(unit=unit.name, what="got a second gradient"))
         self._reported_params.add(id(param))
         self._reported[unit.index] = self._reported.get(unit.index, 0) + 1
-        if self._reported[unit.index] == len(unit.trainable.params):
+        if self._reported[unit.index] == len(unit.trainable.params) and unit.index not in self._routed:
             self._finish_unit(unit)
         self._segment_start()
 
@@ -356,7 +367,7 @@ class Stage3Runtime:
         watches (the root, fed token ids): its frozen weights (ln_f under the blocks) may be
         needed until the end of backward, and only the end says so. A watched one goes when its
         inputs' gradient comes, after the backward of every unit inside it."""
-        return _counts_inputs(u) and u.index in self._enclosing and u.index not in self._watched
+        return self._counts_inputs(u) and u.index in self._enclosing and u.index not in self._watched
 
     def _let_go(self, u: Unit) -> None:
         """Backward needs the unit's weights no more."""
@@ -619,6 +630,8 @@ class Stage3Runtime:
 
     def close(self) -> None:
         """Also what a failed __init__ made (the parts it did not reach are None)."""
+        if self._root_check is not None:
+            self._root_check.remove()
         for h in self._handles:
             h.remove()
         try:
