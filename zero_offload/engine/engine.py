@@ -374,6 +374,30 @@ class Engine:
         self._require_loaded("consolidated_state_dict")
         return consolidated_state_dict(self)
 
+    def save_safetensors(self, directory: str, keys: Any = None, *, max_shard_size: int | None = None,
+                         write: bool | None = None) -> dict[str, str]:
+        """The model's weights (`keys`, default all of its state_dict) as Hugging Face safetensors
+        in `directory` (model.safetensors, or shards of at most max_shard_size bytes and their
+        index), streamed one unit at a time: the model is never whole in memory. Values as
+        consolidated_state_dict's, in the model's own dtypes. A collective: every rank calls it;
+        rank 0 (or each rank passing write=True) writes. Returns the weight map (key -> file)."""
+        from zero_offload.engine import export
+
+        self._require_idle("save_safetensors")
+        self._require_loaded("save_safetensors")
+        size = export.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+        return export.save_safetensors(self, directory, keys, max_shard_size=size, write=write)
+
+    def export_state_dict(self, keys: Any) -> dict[str, torch.Tensor]:
+        """The values of `keys` of the model's state_dict on every rank, as save_safetensors
+        writes them; only the units holding them are read (the adapters of a frozen base). A
+        collective: every rank calls it with the same keys."""
+        from zero_offload.engine import export
+
+        self._require_idle("export_state_dict")
+        self._require_loaded("export_state_dict")
+        return export.state_dict(self, list(keys))
+
     def _require_open(self, call: str) -> None:
         if self.closed:
             raise EngineStateError(f"engine.{call}: the engine was closed")

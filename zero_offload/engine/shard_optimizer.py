@@ -377,8 +377,16 @@ class ShardOptimizer:
 
     # ---- state ----
     def master(self, key: str) -> torch.Tensor:
-        """A fp32 copy of `key`'s master shard (on the CPU)."""
-        return self.read_state(key)["master"]
+        """A fp32 copy of `key`'s master shard (on the CPU), read one sub-shard at a time: the
+        moments pass through and are never held for the whole shard (a streamed save reads
+        every master shard)."""
+        self.pipeline.quiesce()
+        out = torch.empty(self.numel[key], dtype=torch.float32)
+        for p in self.subshards[key]:
+            self.access.check(p.key)
+            sub = self.store.read(p.key, torch.empty(len(PARTS) * p.numel, dtype=torch.float32)).wait()
+            out[p.lo:p.hi].copy_(sub.view(len(PARTS), -1)[PARTS.index("master")])
+        return out
 
     def read_state(self, key: str) -> dict[str, torch.Tensor]:
         """CPU copies of a shard's parts ('master', 'm', 'v'), read through its store in one go."""

@@ -1,10 +1,13 @@
-"""The Hugging Face integration: `ZeroOffloadTrainer`, a transformers.Trainer trained by the engine.
+"""The Hugging Face integration: `ZeroOffloadTrainer`, a transformers.Trainer trained by the engine,
+and `save_pretrained(engine, directory)`, the engine's model in Hugging Face (or PEFT) format,
+streamed from the tiers.
 
-The only part of zero_offload that imports transformers (and accelerate, which Trainer needs);
-install them with `pip install zero_offload[hf]`. See docs/hf.md.
+The only part of zero_offload that imports transformers (and accelerate, which Trainer needs; peft
+where the model is a PEFT model); install them with `pip install zero_offload[hf]`. See docs/hf.md.
 """
 from __future__ import annotations
 
+from zero_offload.hf.save import save_pretrained
 from zero_offload.hf.trainer import ENGINE_DIR, ZeroOffloadTrainer
 
-__all__ = ["ENGINE_DIR", "ZeroOffloadTrainer"]
+__all__ = ["ENGINE_DIR", "ZeroOffloadTrainer", "save_pretrained"]

@@ -3,7 +3,7 @@
     trainer = ZeroOffloadTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
                                  zero_offload_config="ds_config.json")
     trainer.train()
-    trainer.save_model("out")  # config.json + model.safetensors, for from_pretrained
+    trainer.save_model("out")  # config.json + model.safetensors (streamed), for from_pretrained
 
 Only Trainer's overridable methods are replaced, nothing is patched. The engine is built in
 __init__ from the model, the resolved config (config.py: the user's config, its training values
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import zero_offload
@@ -30,6 +31,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.engine.engine import Engine
 from zero_offload.hf.accelerator import EngineModel, TrainerOptimizer, ZeroOffloadAccelerator
 from zero_offload.hf.config import check_optimizer, resolve
+from zero_offload.hf.save import save_pretrained
 
 ENGINE_DIR = "zero_offload"  # the engine's checkpoint inside Trainer's checkpoint-N folder
 SCHEDULER_NAME = "scheduler.pt"  # as transformers names it
@@ -189,16 +191,33 @@ class ZeroOffloadTrainer(Trainer):
     # ---- the model in Hugging Face format ------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """config.json + model.safetensors (the model's save_pretrained) from the engine's full
-        weights, in the dtypes the model had; a collective: every rank calls it, rank 0 writes.
-        At stage 3 too this goes through consolidated_state_dict, which holds the whole model in
-        rank 0's memory: streaming it from the shards file by file is a later part of issue 21."""
+        """The model in Hugging Face format from the engine's weights (save.py): config.json and
+        model.safetensors (or shards), or for a PEFT model its adapters only, streamed unit by
+        unit so the model is never whole in memory. A collective: every rank calls it (Trainer
+        does, for save_model and every checkpoint); the main process writes."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        full = self.engine.consolidated_state_dict()
-        dtypes = self.engine.orig_dtypes
-        self._save(output_dir, state_dict={k: v.to(dtypes.get(k, v.dtype)) for k, v in full.items()})
+        self._save(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's _save with the model written by save_pretrained(engine, ...), on every rank
+        (Trainer's returns early on ranks that do not write). A state_dict given explicitly is
+        saved by Trainer's own code."""
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        if state_dict is not None:
+            super()._save(output_dir, state_dict=state_dict)
+            return
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+        save_pretrained(self.engine, output_dir, model=self.model, is_main_process=self.args.should_save)
+        if not self.args.should_save:
+            return
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     @property
     def engine_model(self) -> EngineModel:
