@@ -288,6 +288,35 @@ def test_sub_shard_runs_and_checkpoint_scalars(tmp_path: Any) -> None:
     again.close()
 
 
+@pytest.mark.parametrize("kernel", ["host", "device"])
+def test_runs_at_their_own_step_counts_leave_the_gaps_alone(kernel: str) -> None:
+    """Each run is stepped as adam_step_flat at its own count; elements in no run keep their
+    master and moments, and the updated copy takes the master's values there."""
+    from zero_offload.engine.step import DeviceAdam, HostAdam, Scalars
+    from zero_offload.optim.flat import adam_step_flat
+
+    g = torch.Generator().manual_seed(5)
+    n = 3000
+    state = [torch.randn(n, generator=g), torch.randn(n, generator=g), torch.rand(n, generator=g)]
+    grad = torch.randn(n, generator=g)
+
+    def sc(step: int, lr: float) -> Scalars:
+        return Scalars(step, lr, 0.9, 0.999, 1e-8, 0.1, True)
+    segments = [(0, 700, sc(5, 1e-2)), (700, 1000, sc(2, 1e-2)), (1500, 2000, sc(5, 3e-2)), (2500, 2600, sc(1, 1e-2))]
+    ours = [t.clone() for t in state]
+    out = torch.empty(n, dtype=torch.bfloat16)
+    (HostAdam() if kernel == "host" else DeviceAdam()).segments(ours[0], grad, ours[1], ours[2], segments, out)
+    want = [t.clone() for t in state]
+    for lo, hi, s in segments:
+        adam_step_flat(*(t[lo:hi] for t in (want[0], grad, want[1], want[2])), step=s.step, lr=s.lr, beta1=s.beta1,
+                       beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, decoupled=True)
+    for a, b in zip(ours, want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    for lo, hi in ((1000, 1500), (2000, 2500), (2600, n)):
+        assert all(torch.equal(a[lo:hi], b[lo:hi]) for a, b in zip(ours, state))
+    assert torch.equal(out, ours[0].to(torch.bfloat16))
+
+
 # ---- checkpoints ----
 
 @pytest.mark.parametrize("stage,tier", [(2, "cpu"), (3, "nvme")])

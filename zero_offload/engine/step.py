@@ -153,7 +153,8 @@ def _fused(masters: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torc
     step count (grads already float)."""
     if s.grad_scale != 1.0:
         grads = [g * s.grad_scale for g in grads]
-    counts = [torch.tensor(float(n), device=masters[0].device) for n in steps]  # read, not advanced, by the kernel
+    made = {n: torch.tensor(float(n), device=masters[0].device) for n in set(steps)}  # read, not advanced
+    counts = [made[n] for n in steps]
     fused = torch._fused_adamw_ if s.decoupled else torch._fused_adam_
     fused(masters, grads, ms, vs, [], counts, lr=s.lr, beta1=s.beta1, beta2=s.beta2,
           weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
