@@ -93,10 +93,10 @@ class GradReducer:
 
     def __init__(self, buckets: list[Bucket], *, partitioned: bool, accumulate_shard: bool,
                  accumulator: Accumulator, dtype: torch.dtype, scale: float,
-                 sink: Callable[[Bucket, torch.Tensor, list[tuple[int, int]]], None],
-                 flat_to_drive: bool = False) -> None:
-        """`sink(bucket, grad shard, missing)` takes each reduced grad shard on the boundary, with
-        the element ranges of the shard whose parameters got no gradient."""
+                 sink: Callable[..., None], flat_to_drive: bool = False) -> None:
+        """`sink(bucket, grad shard)` takes each reduced grad shard on the boundary; one with
+        parameters that got no gradient comes as `sink(bucket, grad shard, missing)`, with the
+        element ranges of the shard that hold them."""
         self.buckets = buckets
         self.partitioned = partitioned  # reduce-scatter (stage 1-2) or all-reduce (stage 0)
         self.accumulate_shard = accumulate_shard  # stage 2: accumulate after reduce-scatter
@@ -199,7 +199,7 @@ class GradReducer:
         if self.accumulator.lacks(b.key):  # maybe no gradient on any rank: wait for the agreement
             self._waiting.append((b, shard))
         else:
-            self.sink(b, shard, [])
+            self.sink(b, shard)
 
     def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
         if not self.partitioned or b.layout.world == 1:  # D = 1: the flat buffer is the shard

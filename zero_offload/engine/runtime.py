@@ -138,7 +138,7 @@ class BucketRuntime:
             self._to_gather.clear()  # D > 1: installed only after a whole step, which this was not
             self._stamp_all()
 
-    def _sink(self, bucket: Bucket, shard: torch.Tensor, missing: list[tuple[int, int]]) -> None:
+    def _sink(self, bucket: Bucket, shard: torch.Tensor, missing: list[tuple[int, int]] | tuple = ()) -> None:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True, missing=missing)
 
     def _on_updated(self, key: str, shard: torch.Tensor, owned: bool) -> None:
