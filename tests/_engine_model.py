@@ -5,9 +5,8 @@ and a parameter that never gets a gradient. The reference is torch.optim.AdamW o
 (every rank's micro-batch concatenated), in fp32, or for bf16 the usual mixed-precision loop (bf16
 model, fp32 master weights stepped by AdamW, copied back to bf16).
 
-A parameter that gets no gradient is stepped as if its gradient were zero: flat buffers cannot say
-"no gradient", so the engine (like DDP and DeepSpeed) reduces a zero. With AdamW that only applies
-the weight decay; the reference does the same by giving such parameters a zero gradient.
+A parameter that gets no gradient is not stepped, by the engine as by torch.optim.AdamW (a .grad
+of None is skipped: no weight decay, no moment update, its step count stays behind).
 """
 from __future__ import annotations
 
@@ -98,7 +97,7 @@ def reference_run(steps: int, rows: int, dtype: torch.dtype, *, lr: float = 1e-2
         loss.backward()
         losses.append(float(loss))
         for p, m in zip(params, masters):
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+            m.grad = p.grad.float() if p.grad is not None else None
             p.grad = None
         if clip:
             norm = torch.nn.utils.clip_grad_norm_(masters, clip)

@@ -5,7 +5,12 @@ Layout of a checkpoint directory:
                          scaler, parameter shapes, and for every tensor file its shape, dtype and
                          CRC32 (checked on load)
   rank{r}.json           rank r's shard map: for each shard key, which element ranges of which
-                         parameters it holds (this is what lets a different D or bucketing load it)
+                         parameters it holds (this is what lets a different D or bucketing load it),
+                         and "lagging": the element ranges of its shards whose step count is below
+                         their sub-shard's (parameters that had no gradient in some steps), by
+                         parameter, with their own counts (absent in checkpoints saved before
+                         per-parameter counts: every element then takes its shard's count, as the
+                         engine that saved them had stepped every parameter)
   rank{r}.{key}.pt       master, m, v of one shard (one file per shard, so saving an NVMe-tier
                          state needs one shard in RAM at a time; read through the store); for a
                          frozen group inside a stage-3 unit, its compute-copy shard ("value"),
@@ -261,8 +266,8 @@ def _write_rank(engine: "Engine", tmp: str, token: str) -> None:
         for key in frozen_map:
             name = f"rank{rank}.{key}.pt"
             files[name] = _save_tensors({"value": rt.read_frozen(key)}, os.path.join(tmp, name))
-        _write_json({"shard_map": shard_map, "frozen_map": frozen_map, "files": files},
-                    os.path.join(tmp, f"rank{rank}.json"))
+        _write_json({"shard_map": shard_map, "frozen_map": frozen_map, "files": files,
+                     "lagging": opt.lagging(shard_map)}, os.path.join(tmp, f"rank{rank}.json"))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -431,6 +436,7 @@ class _Load:
     rng: dict[str, torch.Tensor] | None
     same_world: bool
     client_state: dict[Any, Any] | None = None
+    lagging: dict[str, list[list[int]]] | None = None  # every writer's, by parameter name
 
 
 def load(engine: "Engine", path: str) -> dict[Any, Any] | None:
@@ -517,7 +523,8 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     if same_world and own in manifest["files"]:  # this rank's own buffers, as it left them
         module_held.update(_own_buffers(reader.get(own), module_held, os.path.join(root, own)))
     return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, module_held, root),
-                 _rng(reader, manifest) if same_world else None, same_world, _read_client(root, manifest))
+                 _rng(reader, manifest) if same_world else None, same_world, _read_client(root, manifest),
+                 _lagging(root, maps))
 
 
 def _own_buffers(saved: dict[str, torch.Tensor], model_pt: dict[str, torch.Tensor], full: str) -> dict[str, torch.Tensor]:
@@ -578,7 +585,8 @@ def _apply(engine: "Engine", plan: _Load) -> None:
             t.copy_(saved)
     # fp16's loss scaler state means nothing to another precision, nor to a static scale
     opt.load_scalars(manifest["optimizer"], same_layout=plan.same_world,
-                     scaler=manifest["precision"] == "fp16" and opt.scaler.dynamic)
+                     scaler=manifest["precision"] == "fp16" and opt.scaler.dynamic,
+                     lagging=plan.lagging, pieces=rt.shard_map())
     rt.accumulator.reset()  # saved at a boundary: this engine's partial sums are not the checkpoint's
     engine.global_steps = manifest["global_steps"]
     engine.micro_step = engine.global_steps * engine.config.gradient_accumulation_steps  # a fresh cycle
@@ -586,6 +594,19 @@ def _apply(engine: "Engine", plan: _Load) -> None:
         torch.set_rng_state(plan.rng["cpu"])
         if "cuda" in plan.rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(plan.rng["cuda"], engine.device)
+
+
+def _lagging(root: str, maps: dict[int, dict[str, Any]]) -> dict[str, list[list[int]]]:
+    """Every writer's lagging step counts, by parameter (see the module docstring), checked."""
+    out: dict[str, list[list[int]]] = {}
+    for r, m in maps.items():
+        saved = m.get("lagging", {})
+        if not manifest_checks.lagging_table(saved):
+            raise CheckpointError(f"checkpoint {root}: rank{r}.json: lagging is {str(saved)[:40]!r}, expected "
+                                  "parameter names to lists of [offset, numel, step count]")
+        for name, runs in saved.items():
+            out.setdefault(name, []).extend(runs)
+    return out
 
 
 def _read_maps(root: str, manifest: dict[str, Any]) -> dict[int, dict[str, Any]]:

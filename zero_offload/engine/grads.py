@@ -9,6 +9,14 @@ rank steps every bucket), at stages 1-2 reduce-scattered so each rank gets its g
 Buckets are reduced strictly in index order, so every rank issues the same collectives in the
 same order even when a parameter gets no gradient (it counts as zero, filled in at the end).
 
+A parameter without a gradient (on every rank, in every micro-batch of the cycle) is not stepped,
+as torch's optimizers skip a .grad of None. Only a bucket incomplete on this rank can hold one:
+a bucket complete here has a gradient for every parameter on every rank after the reduction, so
+it goes to the step as soon as it is reduced (the overlapped step). An incomplete one waits for
+the end of backward, where the ranks agree on which parameters no rank had a gradient for
+(Accumulator.agree: one small all-reduce at D > 1, none at D = 1), and goes to the step with
+those parameters' element ranges left out.
+
 Gradient accumulation (accumulate.Accumulator): between boundaries, stage 0/1 adds the whole flat
 bucket into an accumulation buffer on the grads tier; stage 2 reduce-scatters every micro-batch and accumulates
 only its grad shard (that is the stage-2 saving). On the boundary micro-batch the reduced shard
@@ -22,7 +30,7 @@ from typing import Callable
 import torch
 
 from zero_offload import comm
-from zero_offload.engine.accumulate import Accumulator
+from zero_offload.engine.accumulate import Accumulator, missing_ranges
 from zero_offload.partition import FlatLayout
 
 
@@ -85,7 +93,10 @@ class GradReducer:
 
     def __init__(self, buckets: list[Bucket], *, partitioned: bool, accumulate_shard: bool,
                  accumulator: Accumulator, dtype: torch.dtype, scale: float,
-                 sink: Callable[[Bucket, torch.Tensor], None], flat_to_drive: bool = False) -> None:
+                 sink: Callable[..., None], flat_to_drive: bool = False) -> None:
+        """`sink(bucket, grad shard)` takes each reduced grad shard on the boundary; one with
+        parameters that got no gradient comes as `sink(bucket, grad shard, missing)`, with the
+        element ranges of the shard that hold them."""
         self.buckets = buckets
         self.partitioned = partitioned  # reduce-scatter (stage 1-2) or all-reduce (stage 0)
         self.accumulate_shard = accumulate_shard  # stage 2: accumulate after reduce-scatter
@@ -100,6 +111,7 @@ class GradReducer:
         self._next = 0
         self._launching = False
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._waiting: list[tuple[Bucket, torch.Tensor]] = []  # reduced, incomplete here: for the agreement
         self._direct = {b.index for b in buckets
                         if len(b.params) == 1 and b.layout.padding == 0 and b.params[0].dtype == dtype}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
@@ -110,10 +122,18 @@ class GradReducer:
             b.ready.clear()
 
     def end(self) -> None:
-        """After backward: reduce every bucket still waiting (parameters without a gradient)."""
+        """After backward: reduce every bucket still waiting (parameters without a gradient), in
+        order; on the boundary agree on what got no gradient, then hand on the buckets that were
+        incomplete here."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
+        if self.boundary:
+            agreed = self.accumulator.agree()
+            waiting, self._waiting = self._waiting, []
+            owner = 0 if not self.partitioned else self.rank
+            for b, shard in waiting:
+                self.sink(b, shard, missing_ranges(b.layout, owner, agreed.get(b.key, ())))
         self.active = False
 
     def touched(self) -> bool:
@@ -128,6 +148,9 @@ class GradReducer:
             b.ready.clear()
             for p in b.params:
                 p.grad = None
+        if self.touched():  # a cycle that took part of this backward is not gone on with
+            self.accumulator.forget_cycle()
+        self._waiting = []
         self.active = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -160,6 +183,8 @@ class GradReducer:
 
     def _launch(self, b: Bucket) -> None:
         self._launching = True  # cleared by begin(): from here on a failure may have consumed state
+        n = len(b.params)
+        self.accumulator.note(b.key, [i for i in range(n) if i not in b.ready] if len(b.ready) < n else ())
         flat = self._flatten(b)
         if not self.accumulate_shard:
             flat = self.accumulator.add(b.key, flat, self.boundary)
@@ -171,7 +196,10 @@ class GradReducer:
             shard = self.accumulator.add(b.key, shard, self.boundary)
             if shard is None:
                 return
-        self.sink(b, shard)
+        if self.accumulator.lacks(b.key):  # maybe no gradient on any rank: wait for the agreement
+            self._waiting.append((b, shard))
+        else:
+            self.sink(b, shard)
 
     def _reduce(self, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
         if not self.partitioned or b.layout.world == 1:  # D = 1: the flat buffer is the shard

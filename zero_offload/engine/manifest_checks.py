@@ -53,6 +53,14 @@ def _counts(v: Any) -> bool:
     return isinstance(v, dict) and all(_count(x) for x in v.values())
 
 
+def lagging_table(v: Any) -> bool:
+    """A shard map's per-parameter step counts: name -> [[offset, numel, count], ...] (counts)."""
+    return isinstance(v, dict) and all(
+        isinstance(name, str) and isinstance(runs, list)
+        and all(isinstance(r, list) and len(r) == 3 and all(_count(x) for x in r) for r in runs)
+        for name, runs in v.items())
+
+
 def _group(g: Any) -> bool:
     betas = g.get("betas") if isinstance(g, dict) else None
     return (isinstance(g, dict) and all(_number(g.get(k)) and g[k] >= 0 for k in ("lr", "eps", "weight_decay"))

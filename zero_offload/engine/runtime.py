@@ -63,7 +63,8 @@ class BucketRuntime:
         accumulates = config.gradient_accumulation_steps > 1  # else nothing is ever held there: a token file
         self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
                                                   device=device, rank=self.rank,
-                                                  capacity_bytes=opt_bytes + (1 << 20) if accumulates else (1 << 20)))
+                                                  capacity_bytes=opt_bytes + (1 << 20) if accumulates else (1 << 20)),
+                                       {b.key: len(b.params) for b in self.buckets})
         scale = 1.0 / (self.world * config.gradient_accumulation_steps)
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,
@@ -137,8 +138,8 @@ class BucketRuntime:
             self._to_gather.clear()  # D > 1: installed only after a whole step, which this was not
             self._stamp_all()
 
-    def _sink(self, bucket: Bucket, shard: torch.Tensor) -> None:
-        self.shard_optimizer.grad_ready(bucket.key, shard, owned=True)
+    def _sink(self, bucket: Bucket, shard: torch.Tensor, missing: list[tuple[int, int]] | tuple = ()) -> None:
+        self.shard_optimizer.grad_ready(bucket.key, shard, owned=True, missing=missing)
 
     def _on_updated(self, key: str, shard: torch.Tensor, owned: bool) -> None:
         """An updated shard, as soon as finish_step has it (backward is over: nothing reads the

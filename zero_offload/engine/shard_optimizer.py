@@ -16,11 +16,19 @@ Cost: the CPU Adam no longer overlaps backward (the nvme prefetch of the first s
 and the gradient shards are held until the step (P/D x gradient bytes on the grads tier, as the
 ledger counts for stage 2). Speculating and rolling back would keep the overlap but needs a second
 copy of the optimizer state (12 B/param) or an inexact inverse update; we chose the deferral.
+
+Parameters without a gradient (grad_ready's `missing` ranges) are not stepped, as torch's
+optimizers skip a .grad of None. Each sub-shard keeps, beside its step count, the element ranges
+that fell behind it (`lag`); a job over such ranges, or missing ones, is planned as runs of one
+parameter group and one step count with the missing ranges left out (`_plan`: the runs of
+parameter groups, generalized). The common case (one group, nothing behind, nothing missing)
+builds nothing: one kernel call per job, as before.
 """
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,6 +42,8 @@ from zero_offload.store import make_store
 from zero_offload.store.resident import copy_async
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Ranges = Sequence[tuple[int, int]]  # element ranges (lo, hi) of a shard, in order
+Pieces = dict[str, list[tuple[str, int, int, int]]]  # a shard map: shard -> (name, param offset, shard offset, numel)
 
 
 class HyperParams(torch.optim.Optimizer):
@@ -133,6 +143,13 @@ class ShardOptimizer:
         # Adam steps each sub-shard has taken. They differ from their shard's (the least of them)
         # only after a step failed part way through a split shard: each part goes on from its own.
         self.sub_steps: dict[str, int] = {}
+        # Parameters without a gradient are not stepped (as torch's optimizers skip a .grad of
+        # None), so they fall behind: sub-shard key -> (lo, hi, k), element ranges (shard offsets)
+        # whose step count is the sub-shard's minus k. Empty while every parameter has had a
+        # gradient in every step.
+        self.lag: dict[str, list[tuple[int, int, int]]] = {}
+        self._pending: dict[str, tuple[int, list[tuple[int, int, int]]]] = {}  # sub-shard -> (count, lag) once its job is done
+        self._missing: dict[str, Ranges] = {}  # held shards' element ranges without a gradient
         self.order: list[str] = []  # gradient-arrival order of the last step (predicts prefetches)
         self._arrived: list[str] = []
         self._held: set[str] = set()
@@ -186,9 +203,11 @@ class ShardOptimizer:
         self.group_runs = {k: list(v) for k, v in group_runs.items()}
 
     # ---- the step ----
-    def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False) -> None:
+    def grad_ready(self, key: str, grad: torch.Tensor, *, owned: bool = False, missing: Ranges = ()) -> None:
         """This rank's reduced gradient shard for `key`. `owned=True` hands the tensor over (the
-        caller will not touch it again), which saves a copy on the CPU."""
+        caller will not touch it again), which saves a copy on the CPU. `missing`: the shard's
+        element ranges `(lo, hi)`, in order, of parameters that got no gradient (on any rank):
+        they are not stepped, as torch's optimizers skip a parameter whose .grad is None."""
         if key not in self.numel:
             raise KeyError(f"ShardOptimizer.grad_ready: unknown key {key!r} (call add_shard first)")
         if grad.numel() != self.numel[key]:
@@ -196,11 +215,14 @@ class ShardOptimizer:
                              f"shard has {self.numel[key]}")
         if key in self._held or key in self._arrived:
             raise RuntimeError(f"ShardOptimizer.grad_ready({key!r}) called twice in one step")
+        missing = _checked_ranges(key, missing, self.numel[key]) if missing else ()
         grad, ready = self._to_kernel(grad.reshape(-1), owned)
         self._arrived.append(key)
         if self.eager:
-            self._submit(key, grad, 1.0, ready)
+            self._submit(key, grad, 1.0, ready, missing)
             return
+        if missing:
+            self._missing[key] = missing
         if ready is not None:
             ready.wait()
         self._sq_norm += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
@@ -260,14 +282,23 @@ class ShardOptimizer:
 
     def _completed(self, job: Job) -> None:
         """A job of this step is done (on the caller's thread, while the worker steps the rest):
-        its shard's step count, and `on_updated` once the whole shard is."""
+        its sub-shard's step count (and lag), and `on_updated` once the whole shard is."""
         owner = self._subshard[job.key].owner
-        self.sub_steps[job.key] = job.scalars.step
+        count, lag = self._pending.pop(job.key, (job.scalars.step, None))
+        self.sub_steps[job.key] = count
+        if lag is not None:
+            self._set_lag(job.key, lag)
         self.steps[owner] = min(self.sub_steps[sub.key] for sub in self.subshards[owner])
         if self.on_updated is not None and not self.stream_updates:
             done = self._updated(job)
             if done is not None:
                 self.on_updated(*done)
+
+    def _set_lag(self, sub: str, lag: list[tuple[int, int, int]]) -> None:
+        if lag:
+            self.lag[sub] = lag
+        else:
+            self.lag.pop(sub, None)
 
     def _submit_held(self) -> bool:
         """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""
@@ -284,23 +315,64 @@ class ShardOptimizer:
             return False
         factor = clip_coefficient(norm, self.config.clip_grad_norm) / scale
         for key in self._arrived:
-            self._submit(key, self._held_loader(key), factor)
+            self._submit(key, self._held_loader(key), factor, missing=self._missing.get(key, ()))
         return True
 
     def _submit(self, key: str, grad: torch.Tensor | Callable[[], torch.Tensor], grad_scale: float,
-                ready: Any = None) -> None:
+                ready: Any = None, missing: Ranges = ()) -> None:
         """One job per sub-shard of `key`; a split shard's sub-shards write into one assembled buffer."""
         subs = self.subshards[key]
         if len(subs) == 1:
-            runs = self._runs(key, 0, self.numel[key], self.steps[key] + 1, grad_scale)
-            self.pipeline.submit(Job(key, self.numel[key], grad, runs[0][1], ready, runs=_multi(runs)))
+            self.pipeline.submit(self._job(subs[0], grad, grad_scale, ready, missing))
             return
         full = self._assembly.begin(key, self.numel[key], len(subs), self.compute_dtype)
         load = _shared(grad)
         for p in subs:
-            runs = self._runs(key, p.lo, p.hi, self.sub_steps[p.key] + 1, grad_scale)
-            self.pipeline.submit(Job(p.key, p.numel, _slicer(load, p.lo, p.hi), runs[0][1], ready,
-                                     into=full[p.lo:p.hi], runs=_multi(runs)))
+            self.pipeline.submit(self._job(p, _slicer(load, p.lo, p.hi), grad_scale, ready, missing,
+                                           into=full[p.lo:p.hi]))
+
+    def _job(self, sub: SubShard, grad: torch.Tensor | Callable[[], torch.Tensor], grad_scale: float, ready: Any,
+             missing: Ranges, into: torch.Tensor | None = None) -> Job:
+        """Sub-shard `sub`'s job: one run of one group's scalars at the sub-shard's next step count
+        (the common case, on backward's thread in eager mode: nothing built), else its runs."""
+        count = self.sub_steps[sub.key] + 1
+        bounds = self.group_runs[sub.owner]
+        if len(bounds) == 1 and not missing and sub.key not in self.lag:
+            return Job(sub.key, sub.numel, grad, self._scalars(bounds[0][1], count, grad_scale), ready, into=into)
+        runs, lag = self._plan(sub, count, grad_scale, missing)
+        self._pending[sub.key] = (count, lag)
+        whole = len(runs) == 1 and runs[0][:2] == (0, sub.numel)
+        first = runs[0][2] if runs else self._scalars(bounds[0][1], count, grad_scale)
+        return Job(sub.key, sub.numel, grad, first, ready, into=into, runs=None if whole else tuple(runs))
+
+    def _plan(self, sub: SubShard, count: int, grad_scale: float,
+              missing: Ranges) -> tuple[list[tuple[int, int, Scalars]], list[tuple[int, int, int]]]:
+        """Sub-shard `sub`'s runs `(start, end, scalars)` (offsets within it) of one group and one
+        step count, leaving out the `missing` ranges; and its lag once they are stepped (the
+        missing ranges one step further behind)."""
+        lo, hi = sub.lo, sub.hi
+        groups = self.group_runs[sub.owner]
+        lag = self.lag.get(sub.key, [])
+        cuts = {lo, hi, *(start for start, _ in groups if lo < start < hi)}
+        for a, b, *_ in (*lag, *missing):
+            cuts.update(c for c in (a, b) if lo < c < hi)
+        points = sorted(cuts)
+        runs: list[tuple[int, int, Scalars]] = []
+        after: list[tuple[int, int, int]] = []
+        for a, b in zip(points, points[1:]):
+            i = _covering(lag, a)
+            k = lag[i][2] if i is not None else 0
+            skipped = _covering(missing, a) is not None
+            _extend(after, a, b, k + 1 if skipped else k)
+            if skipped:
+                continue
+            group = groups[bisect.bisect_right(groups, (a, math.inf)) - 1][1]
+            sc = self._scalars(group, count - k, grad_scale)
+            if runs and runs[-1][1] == a - lo and runs[-1][2] == sc:
+                runs[-1] = (runs[-1][0], b - lo, sc)
+            else:
+                runs.append((a - lo, b - lo, sc))
+        return runs, [r for r in after if r[2]]
 
     def _updated(self, job: Job) -> tuple[str, torch.Tensor, bool] | None:
         """(shard, updated compute copy, owned) once `job` completes its shard, else None."""
@@ -330,26 +402,16 @@ class ShardOptimizer:
 
     def _end_step(self) -> None:
         self._assembly.abandon()  # empty unless the step failed part way
+        self._pending.clear()  # jobs the worker skipped after a failure: their counts stay
         if self._arrived:
             self.order = list(self._arrived) + [k for k in self.order if k not in self._arrived]
-        self._arrived, self._held, self._sq_norm = [], set(), 0.0
+        self._arrived, self._held, self._sq_norm, self._missing = [], set(), 0.0, {}
 
     def zero_grads(self) -> None:
         """Forget gradients handed in since the last step (their buffers stay for reuse)."""
         if self.eager and self._arrived:
             raise RuntimeError("ShardOptimizer.zero_grads: eager shards were already stepped; call finish_step")
-        self._arrived, self._held, self._sq_norm = [], set(), 0.0
-
-    def _runs(self, key: str, lo: int, hi: int, step: int, grad_scale: float) -> list[tuple[int, Scalars]]:
-        """(start offset within [lo, hi), scalars) of each group's run that elements lo..hi of
-        shard `key` cross: the hyperparameters as the param_groups hold them now (a scheduler
-        may have moved them)."""
-        bounds = self.group_runs[key]
-        if len(bounds) == 1:  # the common case, on backward's thread in eager mode: no lists built
-            return [(0, self._scalars(bounds[0][1], step, grad_scale))]
-        ends = [start for start, _ in bounds[1:]] + [self.numel[key]]
-        return [(max(start, lo) - lo, self._scalars(g, step, grad_scale))
-                for (start, g), end in zip(bounds, ends) if max(start, lo) < min(end, hi)]
+        self._arrived, self._held, self._sq_norm, self._missing = [], set(), 0.0, {}
 
     def _scalars(self, group: int, step: int, grad_scale: float) -> Scalars:
         g = self.optimizer.param_groups[group]
@@ -415,7 +477,8 @@ class ShardOptimizer:
             self.access.rewritten(p.key)
 
     def state_dict(self) -> dict:
-        return {**self.state_dict_scalars(), "state": {k: self.read_state(k) for k in self.numel}}
+        return {**self.state_dict_scalars(), "lagging": self.lagging(),
+                "state": {k: self.read_state(k) for k in self.numel}}
 
     def state_dict_scalars(self) -> dict:
         """Everything but the tensors (JSON-ready): step counts, hyperparameters, loss scaler."""
@@ -428,12 +491,16 @@ class ShardOptimizer:
             raise KeyError(f"ShardOptimizer.load_state_dict: no state for shards {sorted(missing)}")
         for key, parts in sd["state"].items():
             self.write_state(key, parts)
-        self.load_scalars(sd)
+        self.load_scalars(sd, lagging=sd.get("lagging", {}))
 
-    def load_scalars(self, sd: dict, *, same_layout: bool = True, scaler: bool = True) -> None:
+    def load_scalars(self, sd: dict, *, same_layout: bool = True, scaler: bool = True,
+                     lagging: dict[str, list[list[int]]] | None = None, pieces: Pieces | None = None) -> None:
         """Everything but the tensors. With another layout (world size, buckets) the shard keys
         differ; every shard then takes the largest saved step count (they differ only after a step
-        that failed part way, when the ones it skipped are one behind).
+        that failed part way, when the ones it skipped are one behind). `lagging` (see lagging())
+        gives the parameters that had fewer steps their own counts again, through `pieces` (the
+        shard map); without it (a checkpoint saved before per-parameter counts, when every
+        parameter was stepped) every element takes its sub-shard's count.
         `scaler=False` keeps this optimizer's own loss scaler (the saved one is another precision's)."""
         if same_layout and set(sd["steps"]) == set(self.steps):
             self.steps.update({k: int(v) for k, v in sd["steps"].items()})
@@ -444,11 +511,51 @@ class ShardOptimizer:
         saved_subs = {k: int(v) for k, v in sd.get("sub_steps", {}).items()}
         if same_layout and set(saved_subs) == set(self.sub_steps):
             self.sub_steps = saved_subs
+        self._load_lagging(lagging or {}, pieces or self._own_pieces())
         for group, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items()})
         if scaler:
             self.scaler.load_state_dict(sd["scaler"])
         self.skipped_steps = int(sd.get("skipped_steps", 0))
+
+    def lagging(self, pieces: Pieces | None = None) -> dict[str, list[list[int]]]:
+        """The element ranges whose step count is below their sub-shard's (parameters that had no
+        gradient in some steps), by parameter: name -> [[parameter offset, numel, step count]].
+        In parameter coordinates, through `pieces` (the shard map: shard -> (name, parameter
+        offset, shard offset, numel)), so a checkpoint loads at another world size or bucketing;
+        without it each shard is one parameter named by its key."""
+        pieces = pieces or self._own_pieces()
+        out: dict[str, list[list[int]]] = {}
+        for key, subs in self.subshards.items():
+            for sub in subs:
+                for lo, hi, k in self.lag.get(sub.key, ()):
+                    for name, poff, soff, n in pieces[key]:
+                        a, b = max(lo, soff), min(hi, soff + n)
+                        if a < b:
+                            out.setdefault(name, []).append([poff + a - soff, b - a, self.sub_steps[sub.key] - k])
+        return out
+
+    def _load_lagging(self, saved: dict[str, list[list[int]]], pieces: Pieces) -> None:
+        """self.lag from `saved` (lagging()'s form) against the sub-shards' counts as loaded; a
+        range saved with as many steps as its sub-shard has now (or more) does not lag."""
+        lag: dict[str, list[tuple[int, int, int]]] = {}
+        for key, subs in self.subshards.items():
+            for name, poff, soff, n in pieces.get(key, ()):
+                for qoff, qn, count in saved.get(name, ()):
+                    a, b = max(poff, qoff), min(poff + n, qoff + qn)
+                    for sub in subs if a < b else ():
+                        lo, hi = max(soff + a - poff, sub.lo), min(soff + b - poff, sub.hi)
+                        if lo < hi and self.sub_steps[sub.key] > count:
+                            lag.setdefault(sub.key, []).append((lo, hi, self.sub_steps[sub.key] - count))
+        self.lag = {}
+        for sub, ranges in lag.items():
+            merged: list[tuple[int, int, int]] = []
+            for lo, hi, k in sorted(ranges):
+                _extend(merged, lo, hi, k)
+            self.lag[sub] = merged
+
+    def _own_pieces(self) -> Pieces:
+        return {key: [(key, 0, 0, n)] for key, n in self.numel.items()}
 
     def _groups(self) -> list[dict]:
         return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
@@ -493,9 +600,30 @@ def _shared(grad: torch.Tensor | Callable[[], torch.Tensor]) -> Callable[[], tor
     return load
 
 
-def _multi(runs: list[tuple[int, Scalars]]) -> tuple[tuple[int, Scalars], ...]:
-    """A job's runs, or () when one group's scalars hold for all of it (Job.scalars)."""
-    return tuple(runs) if len(runs) > 1 else ()
+def _checked_ranges(key: str, ranges: Ranges, numel: int) -> tuple[tuple[int, int], ...]:
+    """`ranges` as tuples, refused in one line unless ordered, disjoint, non-empty and inside the shard."""
+    out = tuple((int(lo), int(hi)) for lo, hi in ranges)
+    at = 0
+    for lo, hi in out:
+        if not at <= lo < hi <= numel:
+            raise ValueError(f"ShardOptimizer.grad_ready({key!r}): missing ranges {list(out)[:4]} are not ordered, "
+                             f"disjoint, non-empty ranges inside the shard's {numel} elements")
+        at = hi
+    return out
+
+
+def _covering(ranges: Sequence[tuple[int, ...]], at: int) -> int | None:
+    """The index of the range of ordered, disjoint `ranges` ((lo, hi, ...) each) holding `at`, if any."""
+    i = bisect.bisect_right(ranges, (at, math.inf)) - 1
+    return i if i >= 0 and ranges[i][0] <= at < ranges[i][1] else None
+
+
+def _extend(runs: list[tuple[int, int, int]], lo: int, hi: int, k: int) -> None:
+    """Append (lo, hi, k) to ordered `runs`, merged with the last one when it goes on with the same k."""
+    if runs and runs[-1][1] == lo and runs[-1][2] == k:
+        runs[-1] = (runs[-1][0], hi, k)
+    else:
+        runs.append((lo, hi, k))
 
 
 def _slicer(load: Callable[[], torch.Tensor], lo: int, hi: int) -> Callable[[], torch.Tensor]:

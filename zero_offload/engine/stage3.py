@@ -17,8 +17,10 @@ all-gathers it), backward gathers it again when the gradient of its outputs arri
 trainable parameters have all accumulated their gradients it reduce-scatters them (scaled by
 1/(D x accumulation steps)), hands this rank's grad shard to the ShardOptimizer and releases the
 unit. end_backward reduces, in unit order, every unit that did not finish (parameters that got no
-gradient count as zero). step() runs the optimizer; its on_updated callback writes each new
-compute-copy shard to the params tier, then the prefetcher starts fetching the next pass's first
+gradient count as zero), then the ranks agree on which parameters no rank had a gradient for
+(Accumulator.agree) and those units go to the step with them left out: as torch's optimizers
+skip a .grad of None, they are not stepped. step() runs the optimizer; its on_updated callback
+writes each new compute-copy shard to the params tier, then the prefetcher starts fetching the next pass's first
 units. Units smaller than stage3.resident_bytes stay gathered on the device for the whole run
 (outside the live budget); after each step they take their new shard in place and all-gather.
 """
@@ -35,7 +37,7 @@ from torch import nn
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
-from zero_offload.engine.accumulate import Accumulator
+from zero_offload.engine.accumulate import Accumulator, missing_ranges
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
@@ -131,13 +133,16 @@ class Stage3Runtime:
                                          named=bool(config.stage3.unit_modules))
             self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
                                                       device=self.device, rank=self.rank,
-                                                      capacity_bytes=(1 << 20)))  # NVMe files grow on demand
+                                                      capacity_bytes=(1 << 20)),  # NVMe files grow on demand
+                                           {u.trainable.key: len(u.trainable.params) for u in self.units
+                                            if u.trainable is not None})
             self.phase = Phase.IDLE
             self.boundary = True
             self._in_backward = False  # between begin_backward and end_backward (engine.backward)
             self.gathering = False  # inside engine.gathered (gathered.py)
             self._fresh: dict[str, torch.Tensor] = {}
             self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
+            self._waiting: list[tuple[Unit, torch.Tensor]] = []  # reduced, incomplete here: for the agreement
             self._watches: list[hooks.InputWatch] = []
             self._reset_pass()
         except BaseException:  # an init_fn that raises, a full drive: what was made goes (threads, files, locks)
@@ -354,10 +359,15 @@ class Stage3Runtime:
         self._done.add(u.index)
         if u.trainable is not None:  # its reduce-scatter: ranks reduce units in their own backward's order
             check_same_unit(u, "reduce")
+            complete = self._reported.get(u.index, 0) == len(u.trainable.params)  # else reduced after backward
+            self.accumulator.note(u.trainable.key, () if complete else
+                                  [i for i, p in enumerate(u.trainable.params) if p.grad is None])
         shard = u.reduce_grads(self.scale, aligned=not self.accumulator.store.addressable)  # a drive wants it aligned
         if shard is not None:  # off the boundary it only goes into the accumulation buffer
             shard = self.accumulator.add(u.trainable.key, shard, self.boundary)
-        if shard is not None:
+        if shard is not None and self.accumulator.lacks(u.trainable.key):
+            self._waiting.append((u, shard))  # maybe no gradient on any rank: see _step_incomplete
+        elif shard is not None:
             self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
         if self._exits.get(u.index, 0) == 0 and not self._held_to_end(u):
             self._let_go(u)  # else a frozen part may still be needed (see inputs_grad)
@@ -427,11 +437,23 @@ class Stage3Runtime:
         leaked = [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
         if leaked:
             raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
+        if self.boundary:
+            self._step_incomplete()
         self.prefetcher.end_pass()
         self.phase, self._in_backward = Phase.IDLE, False
         if not self.boundary:  # no step follows: the shards the next pass reads are final already
             self.prefetcher.warm_start()
         self.boundary = True
+
+    def _step_incomplete(self) -> None:
+        """On the boundary: agree on the parameters no rank had a gradient for in the cycle (every
+        rank, every step), then hand the units that were incomplete here to the step without them."""
+        agreed = self.accumulator.agree()
+        waiting, self._waiting = self._waiting, []
+        for u, shard in waiting:
+            key = u.trainable.key
+            missing = missing_ranges(u.trainable.layout, self.rank, agreed.get(key, ()))
+            self.shard_optimizer.grad_ready(key, shard, owned=True, missing=missing)
 
     def backward_touched(self) -> bool:
         """After a failed backward: whether a unit's gradient had been reduced (summed into a
@@ -446,6 +468,9 @@ class Stage3Runtime:
         for u in self.units:
             for p in u.trainable.params if u.trainable is not None else ():
                 p.grad = None
+        if self.backward_touched():  # a cycle that took part of this backward is not gone on with
+            self.accumulator.forget_cycle()
+        self._waiting = []
         try:
             self.prefetcher.release_all()
         finally:  # a read ahead that failed is reported, after the pass is reset all the same

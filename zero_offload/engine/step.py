@@ -51,16 +51,25 @@ class Job:
     out: torch.Tensor | None = None  # filled: updated weights in the compute dtype
     out_owned: bool = False  # out is a fresh tensor (not the store's master): the receiver may keep it
     into: torch.Tensor | None = None  # write the updated weights here (a sub-shard's slice of its shard's)
-    # Parameter groups: (start offset, scalars) of each run of elements with one group's
-    # hyperparameters (param_groups.py); empty when `scalars` holds for the whole job.
-    runs: tuple[tuple[int, Scalars], ...] = ()
+    # None: `scalars` holds for the whole job (the common case). Else the (start, end, scalars)
+    # of each run of elements stepped with one parameter group's hyperparameters and one step
+    # count (param_groups.py, and parameters that skipped steps for want of a gradient); the
+    # elements in no run (parameters without a gradient in this step) are not stepped.
+    runs: tuple[tuple[int, int, Scalars], ...] | None = None
 
     def segments(self) -> list[tuple[int, int, Scalars]]:
-        """(start, end, scalars) of each run, covering the job."""
-        if not self.runs:
-            return [(0, self.numel, self.scalars)]
-        ends = [start for start, _ in self.runs[1:]] + [self.numel]
-        return [(start, end, s) for (start, s), end in zip(self.runs, ends)]
+        """(start, end, scalars) of each run stepped, in order."""
+        return [(0, self.numel, self.scalars)] if self.runs is None else list(self.runs)
+
+
+def gaps(segments: list[tuple[int, int, Scalars]], numel: int) -> list[tuple[int, int]]:
+    """The element ranges of [0, numel) that no segment covers (segments in order)."""
+    out, at = [], 0
+    for lo, hi, _ in segments:
+        if at < lo:
+            out.append((at, lo))
+        at = hi
+    return out + ([(at, numel)] if at < numel else [])
 
 
 def hands_over_master(resident: bool, out_dtype: torch.dtype) -> bool:
@@ -98,10 +107,14 @@ class HostAdam:
 
     def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
-        """The shard's runs of parameter groups, one kernel call per distinct group."""
-        runs = [(lo, hi, _hyper(s)) for lo, hi, s in segments]
-        adam_step_runs(master, grad, m, v, runs, step=segments[0][2].step, lowp_out=lowp_out,
-                       threads=self.threads or None)
+        """The shard's runs (parameter groups, step counts), one kernel call per distinct group;
+        `lowp_out` takes the master's values where no run steps (the kernel writes only runs)."""
+        if segments:
+            adam_step_runs(master, grad, m, v, [(lo, hi, _hyper(s)) for lo, hi, s in segments],
+                           step=[s.step for _, _, s in segments], lowp_out=lowp_out, threads=self.threads or None)
+        if lowp_out is not None:
+            for lo, hi in gaps(segments, master.numel()):
+                lowp_out[lo:hi].copy_(master[lo:hi])
 
 
 def _hyper(s: Scalars) -> dict:
@@ -116,32 +129,34 @@ class DeviceAdam:
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  s: Scalars, lowp_out: torch.Tensor | None) -> None:
-        _fused([master], [grad.float()], [m], [v], s)
+        _fused([master], [grad.float()], [m], [v], [s.step], s)
         if lowp_out is not None:
             lowp_out.copy_(master)
 
     def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
         """One fused launch per distinct group, over the slices of its runs (the fused kernels
-        take lists of tensors)."""
+        take lists of tensors, each with its own step count)."""
         g = grad.float()
-        by_group: dict[tuple, tuple[Scalars, list[tuple[int, int]]]] = {}
+        by_group: dict[tuple, tuple[Scalars, list[tuple[int, int, int]]]] = {}
         for lo, hi, sc in segments:
-            by_group.setdefault(tuple(_hyper(sc).items()), (sc, []))[1].append((lo, hi))
+            by_group.setdefault(tuple(_hyper(sc).items()), (sc, []))[1].append((lo, hi, sc.step))
         for sc, spans in by_group.values():
-            _fused(*([t[lo:hi] for lo, hi in spans] for t in (master, g, m, v)), sc)
+            _fused(*([t[lo:hi] for lo, hi, _ in spans] for t in (master, g, m, v)), [st for *_, st in spans], sc)
         if lowp_out is not None:
             lowp_out.copy_(master)
 
 
 def _fused(masters: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torch.Tensor],
-           vs: list[torch.Tensor], s: Scalars) -> None:
-    """torch's fused Adam/AdamW over tensors sharing the scalars `s` (grads already float)."""
+           vs: list[torch.Tensor], steps: list[int], s: Scalars) -> None:
+    """torch's fused Adam/AdamW over tensors sharing the hyperparameters of `s`, each at its own
+    step count (grads already float)."""
     if s.grad_scale != 1.0:
         grads = [g * s.grad_scale for g in grads]
-    step = torch.tensor(float(s.step), device=masters[0].device)  # read, not advanced, by the kernel
+    made = {n: torch.tensor(float(n), device=masters[0].device) for n in set(steps)}  # read, not advanced
+    counts = [made[n] for n in steps]
     fused = torch._fused_adamw_ if s.decoupled else torch._fused_adam_
-    fused(masters, grads, ms, vs, [], [step] * len(masters), lr=s.lr, beta1=s.beta1, beta2=s.beta2,
+    fused(masters, grads, ms, vs, [], counts, lr=s.lr, beta1=s.beta1, beta2=s.beta2,
           weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
 
 
@@ -390,7 +405,7 @@ class StepPipeline:
 
     def _step(self, job: Job, tensors: tuple[torch.Tensor, ...], out: torch.Tensor | None) -> None:
         """The kernel over the job: its runs of parameter groups, if it has several."""
-        if job.runs:
+        if job.runs is not None:
             self.kernel.segments(*tensors, job.segments(), out)
         else:
             self.kernel(*tensors, job.scalars, out)

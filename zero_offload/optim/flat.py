@@ -7,6 +7,8 @@ instead (and says so once), so everything works everywhere, with the same result
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from zero_offload.optim import _native_adam
@@ -41,6 +43,10 @@ def _check_args(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         if lowp_out.dtype not in _native_adam.OUT_DTYPES:
             raise ValueError(f"adam_step_flat: lowp_out must be float32, bfloat16 or float16, got {lowp_out.dtype}")
     _check_disjoint(param, grad, exp_avg, exp_avg_sq, lowp_out)
+    _check_step(step)
+
+
+def _check_step(step: int) -> None:
     if isinstance(step, bool) or int(step) != step or not 1 <= step < 2**63:
         raise ValueError(f"adam_step_flat: step must be a whole number in [1, 2**63), got {step!r}")
 
@@ -116,32 +122,39 @@ def adam_step_runs(
     exp_avg_sq: torch.Tensor,
     runs: list[tuple[int, int, dict]],
     *,
-    step: int,
+    step: int | Sequence[int],
     lowp_out: torch.Tensor | None = None,
     threads: int | None = None,
 ) -> None:
     """`adam_step_flat` over runs of one flat shard, each `(start, end, hyper)` with its own
     hyperparameters (lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale: a parameter
-    group's), one step count for all. The whole tensors are checked once, and the runs that share
-    hyperparameters go to the kernel in one call: a block's weights, biases and norms alternate
-    between two groups, and a call per run (with its checks) cost as much as the arithmetic of a
-    small unit."""
-    _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
-    by_hyper: dict[tuple, list[tuple[int, int]]] = {}
-    for lo, hi, hyper in runs:
-        by_hyper.setdefault(tuple(sorted(hyper.items())), []).append((lo, hi))
+    group's) and `step` (one count for all runs, or one per run: a parameter skipped in a step
+    for want of a gradient has its own). Elements in no run are not touched, `lowp_out`'s
+    neither. The whole tensors are checked once, and the runs that share hyperparameters go to
+    the kernel in one call (each with its own step count): a block's weights, biases and norms
+    alternate between two groups, and a call per run (with its checks) cost as much as the
+    arithmetic of a small unit."""
+    steps = [step] * len(runs) if isinstance(step, int) else list(step)
+    if len(steps) != len(runs):
+        raise ValueError(f"adam_step_runs: {len(steps)} step counts for {len(runs)} runs")
+    _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, steps[0] if steps else 1)
+    for s in steps[1:]:
+        _check_step(s)
+    by_hyper: dict[tuple, list[tuple[int, int, int]]] = {}
+    for (lo, hi, hyper), s in zip(runs, steps):
+        by_hyper.setdefault(tuple(sorted(hyper.items())), []).append((lo, hi, s))
     for key, spans in by_hyper.items():
         hyper = dict(key)
         _native_adam.check_hyper("adam_step_runs", lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
                                  eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=hyper["grad_scale"])
-        parts = [tuple(t[lo:hi] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, lowp_out))
-                 for lo, hi in spans]
+        parts = [(*(t[lo:hi] if t is not None else None for t in (param, grad, exp_avg, exp_avg_sq, lowp_out)), s)
+                 for lo, hi, s in spans]
         if not _native_adam.available():
             _native_adam.warn_fallback_once("adam_step_runs")
-            for p, g, m, v, out in parts:
-                _adam_step_flat_torch(p, g, m, v, step=step, lowp_out=out, check_finite=False, **hyper)
+            for p, g, m, v, out, s in parts:
+                _adam_step_flat_torch(p, g, m, v, step=s, lowp_out=out, check_finite=False, **hyper)
             continue
-        items = [_native_adam.make_tensor(p, g, m, v, step, out) for p, g, m, v, out in parts]
+        items = [_native_adam.make_tensor(p, g, m, v, s, out) for p, g, m, v, out, s in parts]
         _native_adam.step(items, _native_adam.make_hyper(**hyper), isa=_native_adam.resolve_isa(None),
                           threads=_native_adam.resolve_threads(threads))
 
