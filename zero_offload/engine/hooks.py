@@ -3,11 +3,14 @@
 Forward: a pre-hook on each module that uses units (a unit's root module, or a module that reads a
 tied parameter owned by another unit) acquires them; a post-hook releases them.
 Backward, "needed": the post-hook registers a pre-hook on the autograd node of every output
-tensor (a hook on the tensor for a leaf); it fires when the gradient of that output is computed,
-i.e. before the module's backward runs, after the tensor hooks that let the next module's units
-go (the output is often that module's input), and the runtime
+tensor that this call computed (a hook on the tensor for a leaf); it fires when the gradient of
+that output is computed, i.e. before the module's backward runs, after the tensor hooks that let
+the next module's units go (the output is often that module's input), and the runtime
 gathers the units again (idempotently: several outputs, a module called twice, activation
-checkpointing's recomputation all reach it more than once).
+checkpointing's recomputation all reach it more than once). An output passed through (an input,
+or a view of one, returned as it came: T5's position bias, made by the first block and returned
+by every later one) is skipped: its node is an earlier module's, whose gradient comes only after
+this module's backward, and it needs none of this module's weights.
 Backward, "done": a post-accumulate-grad hook on every trainable parameter fires once per backward
 (autograd sums every use of a parameter first), so a unit whose trainable parameters have all
 reported has its gradients. A unit with frozen parameters needs its weights until the gradient of
@@ -42,15 +45,27 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside nested tuples, lists, dicts and dataclasses (a module's output or
     arguments). A unit whose output tensors are not found here is not gathered again for its
     backward, which then fails on the empty parameters."""
+    out: list[torch.Tensor] = []
+    _collect(obj, out)
+    return out
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    """_tensors' walk; it runs at every hooked call, twice, so the common kinds come first."""
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
-    return []
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _collect(o, out)
+    elif not isinstance(obj, _SCALARS) and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name), out)
 
 
 class InputWatch:
@@ -110,53 +125,88 @@ def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookT
     """Forward pre/post hooks and output-gradient hooks on every module that uses units."""
     handles: list[RemovableHandle] = []
     for module, units in users.items():
-        open_watches: list[InputWatch | None] = []  # one per call in progress (a module may re-enter)
-        handles.append(module.register_forward_pre_hook(_pre_hook(units, target, open_watches), with_kwargs=True))
-        handles.append(module.register_forward_hook(_post_hook(units, target, open_watches)))
+        open_calls: list[_Call] = []  # one per call in progress (a module may re-enter)
+        handles.append(module.register_forward_pre_hook(_pre_hook(units, target, open_calls), with_kwargs=True))
+        handles.append(module.register_forward_hook(_post_hook(units, target, open_calls)))
     return handles
 
 
+@dataclasses.dataclass
+class _Call:
+    """One call in progress: its input watch, and the autograd node each grad-requiring input's
+    root tensor had at entry (see _passed_through)."""
+
+    watch: "InputWatch | None"
+    inputs: dict[int, Any]
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns `t`'s memory and history: its base when `t` is a view."""
+    return t._base if t._is_view() else t
+
+
+def _input_nodes(args: tuple, kwargs: dict) -> dict[int, Any]:
+    nodes = {}
+    for t in _tensors((args, kwargs)):
+        if t.requires_grad:
+            root = t._base if t._is_view() else t  # _root, inlined: this runs at every hooked call
+            nodes[id(root)] = root.grad_fn
+    return nodes
+
+
+def _passed_through(t: torch.Tensor, inputs: dict[int, Any]) -> bool:
+    """`t` is an input of the call, or a view of one, unchanged since the call began (an input
+    modified in place has a new node and carries this call's work)."""
+    root = _root(t)
+    return id(root) in inputs and inputs[id(root)] is root.grad_fn
+
+
 def _pre_hook(units: tuple[Unit, ...], target: HookTarget,
-              open_watches: list[InputWatch | None]) -> Callable[[nn.Module, tuple, dict], tuple | None]:
+              open_calls: list[_Call]) -> Callable[[nn.Module, tuple, dict], tuple | None]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         watch, aliases = None, []
         if torch.is_grad_enabled() and target.wants_inputs_grad(units):
             args, kwargs = _alias(args, aliases), _alias(kwargs, aliases)
             watch = InputWatch(aliases, lambda: target.inputs_grad(units)) if aliases else None
-        open_watches.append(watch)
+        open_calls.append(_Call(watch, _input_nodes(args, kwargs) if torch.is_grad_enabled() else {}))
         target.forward_enter(module, units, watch)
         return (args, kwargs) if watch is not None else None
     return hook
 
 
 def _post_hook(units: tuple[Unit, ...], target: HookTarget,
-               open_watches: list[InputWatch | None]) -> Callable[[nn.Module, tuple, Any], None]:
+               open_calls: list[_Call]) -> Callable[[nn.Module, tuple, Any], None]:
     def on_output_grad(*_: Any) -> None:
         target.backward_enter(units)
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        watch = open_watches.pop() if open_watches else None
-        if watch is not None:
-            watch.settle()
+        call = open_calls.pop() if open_calls else _Call(None, {})
+        if call.watch is not None:
+            call.watch.settle()
         if torch.is_grad_enabled():
-            nodes: set[int] = set()
-            for t in _tensors(output):
-                if not t.requires_grad:
-                    continue
-                if t.grad_fn is None:
-                    t.register_hook(on_output_grad)
-                    continue
-                # Pre-hooks of the node, not a hook of the tensor: the tensor is often the next
-                # module's input, whose watch lets that module's units go, and a node's pre-hooks
-                # run after its tensors' hooks, so units are let go first. A view's base's node
-                # too: the caller may modify the view in place, which replaces the view's node.
-                base = t._base if t._is_view() else None
-                for node in (t.grad_fn, base.grad_fn if base is not None else None):
-                    if node is not None and id(node) not in nodes:
-                        nodes.add(id(node))
-                        node.register_prehook(on_output_grad)
+            _hook_outputs(output, call.inputs, on_output_grad)
         target.forward_exit(module, units)
     return hook
+
+
+def _hook_outputs(output: Any, inputs: dict[int, Any], on_output_grad: Callable[..., None]) -> None:
+    """`on_output_grad` before the backward of each output this call computed."""
+    nodes: set[int] = set()
+    for t in _tensors(output):
+        if not t.requires_grad or _passed_through(t, inputs):
+            continue
+        if t.grad_fn is None:
+            t.register_hook(on_output_grad)
+            continue
+        # Pre-hooks of the node, not a hook of the tensor: the tensor is often the next
+        # module's input, whose watch lets that module's units go, and a node's pre-hooks
+        # run after its tensors' hooks, so units are let go first. A view's base's node
+        # too: the caller may modify the view in place, which replaces the view's node.
+        base = t._base if t._is_view() else None
+        for node in (t.grad_fn, base.grad_fn if base is not None else None):
+            if node is not None and id(node) not in nodes:
+                nodes.add(id(node))
+                node.register_prehook(on_output_grad)
 
 
 def install_param_hooks(units: Sequence[Unit], target: HookTarget) -> list[RemovableHandle]:
