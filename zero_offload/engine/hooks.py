@@ -1,13 +1,19 @@
 """Module and autograd hooks that tell the stage-3 runtime when a unit is needed and when it is done.
 
-Forward: a pre-hook on each module that uses units (a unit's root module, or a module that reads a
-tied parameter owned by another unit) acquires them; a post-hook releases them.
+Forward: a pre-hook on each module that uses units (a unit's root module, a module that registers
+a tied parameter owned by another unit, or one found reading another unit's parameter: ReadWatch)
+acquires them; a post-hook releases them. The hooks ask the runtime for a module's units at each
+call (`units_of`), since a recording pass may add some.
 Backward, "needed": the post-hook registers a pre-hook on the autograd node of every output
-tensor (a hook on the tensor for a leaf); it fires when the gradient of that output is computed,
-i.e. before the module's backward runs, after the tensor hooks that let the next module's units
-go (the output is often that module's input), and the runtime
+tensor that this call computed (a hook on the tensor for a leaf); it fires when the gradient of
+that output is computed, i.e. before the module's backward runs, after the tensor hooks that let
+the next module's units go (the output is often that module's input), and the runtime
 gathers the units again (idempotently: several outputs, a module called twice, activation
-checkpointing's recomputation all reach it more than once).
+checkpointing's recomputation all reach it more than once). An output passed through (an input,
+or a view of one, returned as it came: T5's position bias, made by the first block and returned
+by every later one) is skipped: its node is an earlier module's, whose gradient comes only after
+this module's backward, and it needs none of this module's weights. So is a parameter returned
+(a module handing its weight to its caller): whoever reads it gathers its unit.
 Backward, "done": a post-accumulate-grad hook on every trainable parameter fires once per backward
 (autograd sums every use of a parameter first), so a unit whose trainable parameters have all
 reported has its gradients. A unit with frozen parameters needs its weights until the gradient of
@@ -20,19 +26,21 @@ returned here remove every hook.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from zero_offload.engine.unit import Unit
 
 
 class HookTarget(Protocol):
+    def units_of(self, module: nn.Module) -> tuple[Unit, ...]: ...
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: "InputWatch | None") -> None: ...
-    def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None: ...
-    def backward_enter(self, units: Sequence[Unit]) -> None: ...
+    def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> tuple[Unit, ...]: ...
+    def backward_enter(self, module: nn.Module, units: Sequence[Unit]) -> None: ...
     def inputs_grad(self, units: Sequence[Unit]) -> None: ...
     def param_grad(self, unit: Unit, param: torch.Tensor) -> None: ...
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool: ...
@@ -42,15 +50,27 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside nested tuples, lists, dicts and dataclasses (a module's output or
     arguments). A unit whose output tensors are not found here is not gathered again for its
     backward, which then fails on the empty parameters."""
+    out: list[torch.Tensor] = []
+    _collect(obj, out)
+    return out
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    """_tensors' walk; it runs at every hooked call, twice, so the common kinds come first."""
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
-    return []
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _collect(o, out)
+    elif not isinstance(obj, _SCALARS) and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name), out)
 
 
 class InputWatch:
@@ -106,57 +126,140 @@ def _alias(obj: Any, out: list[tuple[torch.Tensor, torch.Tensor, int]]) -> Any:
     return obj
 
 
-def install_module_hooks(users: dict[nn.Module, tuple[Unit, ...]], target: HookTarget) -> list[RemovableHandle]:
+def install_module_hooks(modules: Iterable[nn.Module], target: HookTarget) -> list[RemovableHandle]:
     """Forward pre/post hooks and output-gradient hooks on every module that uses units."""
     handles: list[RemovableHandle] = []
-    for module, units in users.items():
-        open_watches: list[InputWatch | None] = []  # one per call in progress (a module may re-enter)
-        handles.append(module.register_forward_pre_hook(_pre_hook(units, target, open_watches), with_kwargs=True))
-        handles.append(module.register_forward_hook(_post_hook(units, target, open_watches)))
+    for module in modules:
+        open_calls: list[_Call] = []  # one per call in progress (a module may re-enter)
+        handles.append(module.register_forward_pre_hook(_pre_hook(target, open_calls), with_kwargs=True))
+        handles.append(module.register_forward_hook(_post_hook(target, open_calls)))
     return handles
 
 
-def _pre_hook(units: tuple[Unit, ...], target: HookTarget,
-              open_watches: list[InputWatch | None]) -> Callable[[nn.Module, tuple, dict], tuple | None]:
+@dataclasses.dataclass
+class _Call:
+    """One call in progress: the units its pre-hook acquired, its input watch, and the autograd
+    node each grad-requiring input's root tensor had at entry (see _passed_through)."""
+
+    units: tuple[Unit, ...]
+    watch: "InputWatch | None"
+    inputs: dict[int, Any]
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns `t`'s memory and history: its base when `t` is a view."""
+    return t._base if t._is_view() else t
+
+
+def _input_nodes(args: tuple, kwargs: dict) -> dict[int, Any]:
+    nodes = {}
+    for t in _tensors((args, kwargs)):
+        if t.requires_grad:
+            root = t._base if t._is_view() else t  # _root, inlined: this runs at every hooked call
+            nodes[id(root)] = root.grad_fn
+    return nodes
+
+
+def _passed_through(t: torch.Tensor, inputs: dict[int, Any]) -> bool:
+    """`t` is an input of the call, or a view of one, unchanged since the call began (an input
+    modified in place has a new node and carries this call's work)."""
+    root = _root(t)
+    return id(root) in inputs and inputs[id(root)] is root.grad_fn
+
+
+def _pre_hook(target: HookTarget, open_calls: list[_Call]) -> Callable[[nn.Module, tuple, dict], tuple | None]:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        units = target.units_of(module)
         watch, aliases = None, []
         if torch.is_grad_enabled() and target.wants_inputs_grad(units):
             args, kwargs = _alias(args, aliases), _alias(kwargs, aliases)
             watch = InputWatch(aliases, lambda: target.inputs_grad(units)) if aliases else None
-        open_watches.append(watch)
+        open_calls.append(_Call(units, watch, _input_nodes(args, kwargs) if torch.is_grad_enabled() else {}))
         target.forward_enter(module, units, watch)
         return (args, kwargs) if watch is not None else None
     return hook
 
 
-def _post_hook(units: tuple[Unit, ...], target: HookTarget,
-               open_watches: list[InputWatch | None]) -> Callable[[nn.Module, tuple, Any], None]:
-    def on_output_grad(*_: Any) -> None:
-        target.backward_enter(units)
-
+def _post_hook(target: HookTarget, open_calls: list[_Call]) -> Callable[[nn.Module, tuple, Any], None]:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        watch = open_watches.pop() if open_watches else None
-        if watch is not None:
-            watch.settle()
+        call = open_calls.pop() if open_calls else _Call((), None, {})
+        if call.watch is not None:
+            call.watch.settle()
+        used = target.forward_exit(module, call.units)  # with any unit found read during the call
         if torch.is_grad_enabled():
-            nodes: set[int] = set()
-            for t in _tensors(output):
-                if not t.requires_grad:
-                    continue
-                if t.grad_fn is None:
-                    t.register_hook(on_output_grad)
-                    continue
-                # Pre-hooks of the node, not a hook of the tensor: the tensor is often the next
-                # module's input, whose watch lets that module's units go, and a node's pre-hooks
-                # run after its tensors' hooks, so units are let go first. A view's base's node
-                # too: the caller may modify the view in place, which replaces the view's node.
-                base = t._base if t._is_view() else None
-                for node in (t.grad_fn, base.grad_fn if base is not None else None):
-                    if node is not None and id(node) not in nodes:
-                        nodes.add(id(node))
-                        node.register_prehook(on_output_grad)
-        target.forward_exit(module, units)
+            _hook_outputs(output, call.inputs, lambda *_: target.backward_enter(module, used))
     return hook
+
+
+def _hook_outputs(output: Any, inputs: dict[int, Any], on_output_grad: Callable[..., None]) -> None:
+    """`on_output_grad` before the backward of each output this call computed."""
+    nodes: set[int] = set()
+    for t in _tensors(output):
+        if not t.requires_grad or _passed_through(t, inputs):
+            continue
+        if t.grad_fn is None:
+            if not isinstance(t, nn.Parameter):  # a parameter returned: its readers gather its unit
+                t.register_hook(on_output_grad)
+            continue
+        # Pre-hooks of the node, not a hook of the tensor: the tensor is often the next
+        # module's input, whose watch lets that module's units go, and a node's pre-hooks
+        # run after its tensors' hooks, so units are let go first. A view's base's node
+        # too: the caller may modify the view in place, which replaces the view's node.
+        base = t._base if t._is_view() else None
+        for node in (t.grad_fn, base.grad_fn if base is not None else None):
+            if node is not None and id(node) not in nodes:
+                nodes.add(id(node))
+                node.register_prehook(on_output_grad)
+
+
+# Reads of a tensor's metadata only: right while its unit is sharded (dtype, device: Hugging
+# Face's `model.dtype` asks every parameter `is_floating_point()`), or not a read at all (the
+# engine's own `p.data = view`). A shape is not among them: it is (0,) then.
+_METADATA = frozenset(
+    [getattr(torch.Tensor, name).__get__ for name in (
+        "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "_base", "_version", "grad", "layout", "itemsize",
+        "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn")]
+    + [getattr(torch.Tensor, name) for name in (
+        "is_floating_point", "is_complex", "is_signed", "element_size", "get_device", "is_inference", "_is_view",
+        "__hash__")]
+    + [torch.Tensor.data.__set__, torch.Tensor.grad.__set__])
+
+
+class ReadWatch(TorchFunctionMode):
+    """Active while a recording pass's forward runs: each torch call's tensor arguments (nested
+    one level, as in torch.cat's list) are looked up among the parameters in `owned` (by id; a
+    view's base too), and `found(param)` is called before the call runs, so the runtime can gather
+    a unit whose parameter is read outside the forward of the module that registers it (a head
+    written as `F.linear(x, self.wte.weight)`). About as costly as the call itself, so it runs
+    only in recording passes; later passes gather what it found with the module that read it."""
+
+    def __init__(self, owned: dict[int, Any], found: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.owned, self.found = owned, found
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func not in _METADATA:
+            self._scan(args)
+            if kwargs:
+                self._scan(kwargs.values())
+        return func(*args, **(kwargs or {}))
+
+    def _scan(self, values: Iterable[Any]) -> None:
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                self._check(a)
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        self._check(b)
+
+    def _check(self, t: torch.Tensor) -> None:
+        if id(t) in self.owned:
+            self.found(t)
+            return
+        base = t._base
+        if base is not None and id(base) in self.owned:
+            self.found(base)
 
 
 def install_param_hooks(units: Sequence[Unit], target: HookTarget) -> list[RemovableHandle]:

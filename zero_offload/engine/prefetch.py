@@ -80,6 +80,10 @@ def _routing_hint(a: int, b: int, siblings: Mapping[int, tuple[str, str]]) -> st
             "them in stage3.leaf_modules")
 
 
+class BudgetExceeded(RuntimeError):
+    """A unit needed now does not fit the live budget beside the units held."""
+
+
 class LiveBudget:
     """Accounted bytes of gathered (and fetching) units against a hard limit."""
 
@@ -130,14 +134,20 @@ class Schedule:
         pos = len(self.current)
         return self.recorded[pos:pos + depth]
 
-    def end_pass(self) -> None:
-        """All ranks must have used the same units in the same order; the order becomes the record."""
-        if not comm.all_agree(self.current):
+    def end_pass(self, found: object = ()) -> None:
+        """All ranks must have used the same units in the same order (and found the same
+        parameters read outside their unit, `found`); the order becomes the record."""
+        if not comm.all_agree((self.current, found)):
             raise RuntimeError(f"stage 3: ranks used different units this pass (rank {comm.rank()} used "
                                f"{len(self.current)} units); every rank must run the same modules in the same order")
         if self.recorded is not None and self.current != self.recorded:
             self.rerecorded += 1
         self.recorded = list(self.current)
+        self.trusted = False
+
+    def forget(self) -> None:
+        """No record: the next pass records (the runtime knows its order will differ)."""
+        self.recorded = None
         self.trusted = False
 
 
@@ -182,9 +192,9 @@ class Prefetcher:
         unit.release()
         self.budget.give(unit.nbytes)
 
-    def end_pass(self) -> None:
+    def end_pass(self, found: object = ()) -> None:
         self._drop_prefetched()
-        self.schedule.end_pass()
+        self.schedule.end_pass(found)
 
     def release_all(self) -> None:
         """Every unit back to SHARDED, its bytes back to the budget, without recording the pass:
@@ -215,7 +225,7 @@ class Prefetcher:
             self._abandon(victim)
         if not self.budget.fits(unit.nbytes):
             held = [u for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
-            raise RuntimeError(
+            raise BudgetExceeded(
                 f"stage3.live_budget_bytes = {self.budget.limit} is too small: unit '{unit.name}' needs "
                 f"{unit.nbytes} bytes while {self.budget.live} bytes are held by units "
                 f"{[u.name for u in held]}; raise the budget or use smaller units")

@@ -23,6 +23,14 @@ skip a .grad of None, they are not stepped. step() runs the optimizer; its on_up
 writes each new compute-copy shard to the params tier, then the prefetcher starts fetching the next pass's first
 units. Units smaller than stage3.resident_bytes stay gathered on the device for the whole run
 (outside the live budget); after each step they take their new shard in place and all-gather.
+
+Reads elsewhere. A recording pass (the first, one that follows a pass that found such reads,
+changed order or failed) runs its forward under hooks.ReadWatch: a torch call given a parameter
+of a released unit (a head written `F.linear(x, self.wte.weight)` in the model's forward) gathers
+that unit on demand for the innermost hooked call in progress, and records it against that
+module (`units_of`), whose later calls acquire it at entry and whose backward gathers it, as
+for a tied module found at initialize. Later passes run unwatched: the watch costs about as
+much as the torch call it looks at.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.engine import hooks, materialize
 from zero_offload.engine.accumulate import Accumulator, missing_ranges
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
-from zero_offload.engine.prefetch import Prefetcher, check_same_unit
+from zero_offload.engine.prefetch import BudgetExceeded, Prefetcher, check_same_unit
 from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.slots import check_slots, param_slots
 from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
@@ -127,10 +135,13 @@ class Stage3Runtime:
             self._gather_resident()
             self.users = {m: tuple(self.units[i] for i in ix) for m, ix in plan.users.items()}
             self.users.setdefault(model, ())  # the model's own hooks start each pass, even with no unit of its own
+            self._init_read_watch(model)
             self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
             self._handles += [m.register_state_dict_pre_hook(self._guard_state_dict) for m in self.users]
             self._root_check = RootCheck(model, plan, lambda i: self.units[i].state is UnitState.GATHERED,
                                          named=bool(config.stage3.unit_modules))
+            # After the model's post-hook, and also when its forward raises: the read watch ends there.
+            self._handles.append(model.register_forward_hook(self._forward_done, always_call=True))
             self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
                                                       device=self.device, rank=self.rank,
                                                       capacity_bytes=(1 << 20)),  # NVMe files grow on demand
@@ -235,6 +246,75 @@ class Stage3Runtime:
                 u.fetch_local()
                 u.finish_gather()
 
+    # ---- parameters read outside their unit's forward ----
+    def _init_read_watch(self, model: nn.Module) -> None:
+        """The tables ReadWatch needs: every sharded unit's parameters by id, and module names."""
+        self._attached: dict[nn.Module, tuple[Unit, ...]] = {}  # units found read during a module's forward
+        self._attached_new: list[tuple[str, int]] = []  # found this pass: (module name, unit index)
+        self._read_units: set[int] = set()  # units read outside their module (see _held_to_end)
+        self._owned = {id(p): (u, n) for u in self.units if not u.resident for g in u.groups
+                       for n, p in zip(g.names, g.params)}
+        self._names = {id(m): n for n, m in model.named_modules()}
+        self._read_watch: hooks.ReadWatch | None = None
+        self._recheck = False  # the next pass watches reads again (the last one changed order or failed)
+        self._calls: list[tuple[nn.Module, list[Unit]]] = []  # hooked calls in progress, innermost last
+        self._in_hook = False
+
+    def units_of(self, module: nn.Module) -> tuple[Unit, ...]:
+        """The units a module's call acquires: its own (unit_policy), then those found read in it."""
+        return self.users.get(module, ()) + self._attached.get(module, ())
+
+    def _start_read_watch(self) -> None:
+        """A recording pass (no record yet, or the last pass added readers, changed order or
+        failed) watches its forward's torch calls for parameters of released units."""
+        schedule = self.prefetcher.schedule
+        if schedule.recorded is None or self._recheck:
+            self._read_watch = hooks.ReadWatch(self._owned, self._read_outside)
+            self._read_watch.__enter__()
+
+    def _stop_read_watch(self) -> None:
+        watch, self._read_watch = self._read_watch, None
+        if watch is None:
+            return
+        watch.owned = {}  # inert, even if a mode pushed after it (and never popped) keeps it below
+        if torch.overrides._get_current_function_mode() is watch:
+            watch.__exit__(None, None, None)
+
+    def _forward_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._stop_read_watch()
+
+    def _read_outside(self, param: torch.Tensor) -> None:
+        """ReadWatch found `param` in a torch call's arguments. Its unit is released (no call in
+        progress holds it): the read is outside the forward of the module that registers it, so
+        the unit is gathered now for the innermost call in progress, and from now on acquired
+        around that module's calls and gathered for their backward (autograd saved the weight).
+        Every rank reads alike, so the on-demand gathers stay in step (check_same_unit)."""
+        u, name = self._owned[id(param)]
+        if self._in_hook or self.phase is not Phase.FORWARD or not self._calls or self._refs.get(u.index, 0):
+            return
+        module, extra = self._calls[-1]
+        extra.append(u)
+        if u not in self._attached.get(module, ()):
+            self._attached[module] = self._attached.get(module, ()) + (u,)
+            self._read_units.add(u.index)
+            self._attached_new.append((self._names.get(id(module), "?"), u.index))
+        try:
+            self._acquire(u)
+        except BudgetExceeded as exc:
+            where = f"module '{self._names[id(module)]}'" if self._names.get(id(module)) else "the model"
+            raise RuntimeError(f"stage 3: parameter '{name}' (unit '{u.name}') is read in the forward of {where}, "
+                               f"outside its unit's module, and cannot be gathered there: {exc}; or name a module "
+                               "class enclosing both in stage3.unit_modules") from None
+
+    def _pop_call(self, module: nn.Module) -> list[Unit]:
+        """The units gathered for `module`'s call in progress on demand; calls left open above it
+        (a submodule whose forward raised, caught by the caller) are dropped."""
+        while self._calls:
+            m, extra = self._calls.pop()
+            if m is module:
+                return extra
+        return []
+
     # ---- hook target ----
     def _counts_inputs(self, u: Unit) -> bool:
         """Whether a unit's uses are counted through the gradient of their inputs. A unit with
@@ -255,17 +335,24 @@ class Stage3Runtime:
 
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: hooks.InputWatch | None) -> None:
         self._segment_end()
-        if module is self.model and self.phase is not Phase.BACKWARD:
-            self._begin_pass()
-        if watch is not None:
-            self._watches.append(watch)
-        for u in units:
-            self._count_use(u, watch is not None)
-            if self.phase is Phase.BACKWARD:  # checkpoint recomputation
-                if u.index in self._held:
-                    continue  # gathered for backward already; the recomputation may stop early and never exit
-                self._recomputing.add(u.index)
-            self._acquire(u)
+        self._in_hook = True
+        try:
+            if module is self.model and self.phase is not Phase.BACKWARD:
+                self._begin_pass()
+            self._calls.append((module, []))
+            if watch is not None:
+                self._watches.append(watch)
+            for u in units:
+                self._count_use(u, watch is not None)
+                if self.phase is Phase.BACKWARD:  # checkpoint recomputation
+                    if u.index in self._held:
+                        continue  # gathered for backward already; the recomputation may stop early and never exit
+                    self._recomputing.add(u.index)
+                self._acquire(u)
+        finally:
+            self._in_hook = False
+        if module is self.model and self.phase is Phase.FORWARD:
+            self._start_read_watch()
         self._segment_start()
 
     def _count_use(self, u: Unit, watched: bool) -> None:
@@ -282,23 +369,33 @@ class Stage3Runtime:
         elif self.phase is Phase.FORWARD and not torch.is_grad_enabled():
             self._unwatched[u.index] = self._unwatched.get(u.index, 0) + 1
 
-    def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> None:
+    def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> tuple[Unit, ...]:
+        """Releases what the call acquired; returns its units, with those it read on demand."""
         self._segment_end()
-        for u in units:
-            if self.phase is Phase.BACKWARD:
-                if u.index not in self._recomputing:
-                    continue
-                self._recomputing.discard(u.index)
-            self._unacquire(u)
+        self._in_hook = True
+        try:
+            used = tuple(units) + tuple(self._pop_call(module))
+            for u in used:
+                if self.phase is Phase.BACKWARD:
+                    if u.index not in self._recomputing:
+                        continue
+                    self._recomputing.discard(u.index)
+                self._unacquire(u)
+        finally:
+            self._in_hook = False
         if module is not self.model or self.phase is Phase.BACKWARD:
             self._segment_start()
+        return used
 
-    def backward_enter(self, units: Sequence[Unit]) -> None:
+    def backward_enter(self, module: nn.Module, units: Sequence[Unit]) -> None:
         self._require_engine_backward()
         self._segment_end()
         self.phase = Phase.BACKWARD
+        attached = self._attached.get(module, ())
         for u in units:
-            if u.index in self._done and u.trainable is not None:
+            # A unit read by this module is done once its own gradient is: this module's backward may
+            # come later (a read under no_grad), and needs none of its gradient then.
+            if u.index in self._done and u.trainable is not None and u not in attached:
                 raise RuntimeError(_TWICE.format(unit=u.name, what="is needed for backward again"))
             if u.index not in self._held and u.index not in self._done:
                 self._held.add(u.index)
@@ -376,8 +473,12 @@ class Stage3Runtime:
         """A unit with frozen parameters that encloses other units and whose inputs nobody
         watches (the root, fed token ids): its frozen weights (ln_f under the blocks) may be
         needed until the end of backward, and only the end says so. A watched one goes when its
-        inputs' gradient comes, after the backward of every unit inside it."""
-        return self._counts_inputs(u) and u.index in self._enclosing and u.index not in self._watched
+        inputs' gradient comes, after the backward of every unit inside it. Likewise a unit with
+        frozen parameters that another module reads: that module's backward may need a frozen
+        weight after the unit's own uses are done (and in the pass that finds the read, its
+        use there is not counted)."""
+        return self._counts_inputs(u) and (u.index in self._enclosing and u.index not in self._watched
+                                      or u.index in self._read_units)
 
     def _let_go(self, u: Unit) -> None:
         """Backward needs the unit's weights no more."""
@@ -400,12 +501,18 @@ class Stage3Runtime:
         self._unwatched: dict[int, int] = {}  # uses made without grad, to watch when recomputed
         self._recomputing: set[int] = set()
         self._seg: int | None = None
+        self._stop_read_watch()  # a forward that raised (its always-called hook ends it too)
+        self._calls = []
+        if self._attached_new:  # a failed pass found readers: the record no longer says what comes when
+            self._attached_new = []
+            self.prefetcher.schedule.forget()
 
     def _begin_pass(self) -> None:
         if self.phase is Phase.FORWARD and any(self._refs.values()):
             self.prefetcher.release_all()  # the previous forward raised part way: what it held goes
+            self._recheck = True  # a read the watch was off for may be why
         elif self.phase is Phase.FORWARD:  # the previous pass had no backward (evaluation)
-            self.prefetcher.end_pass()
+            self._end_pass()
         self._reset_pass()
         self.prefetcher.begin_pass()
         self.phase = Phase.FORWARD
@@ -439,7 +546,7 @@ class Stage3Runtime:
             raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
         if self.boundary:
             self._step_incomplete()
-        self.prefetcher.end_pass()
+        self._end_pass()
         self.phase, self._in_backward = Phase.IDLE, False
         if not self.boundary:  # no step follows: the shards the next pass reads are final already
             self.prefetcher.warm_start()
@@ -454,6 +561,18 @@ class Stage3Runtime:
             key = u.trainable.key
             missing = missing_ranges(u.trainable.layout, self.rank, agreed.get(key, ()))
             self.shard_optimizer.grad_ready(key, shard, owned=True, missing=missing)
+
+    def _end_pass(self) -> None:
+        """The ranks agree on the pass's order and on the readers it found (they gather alike from
+        now on). A pass that found readers is not kept as the record: the next pass acquires them
+        around the reading module's calls, so it records again (with the watch on)."""
+        found, self._attached_new = self._attached_new, []
+        schedule = self.prefetcher.schedule
+        before = schedule.rerecorded
+        self.prefetcher.end_pass(found)
+        self._recheck = schedule.rerecorded != before  # control flow changed: watch the next pass's reads too
+        if found:
+            schedule.forget()
 
     def backward_touched(self) -> bool:
         """After a failed backward: whether a unit's gradient had been reduced (summed into a
@@ -636,6 +755,7 @@ class Stage3Runtime:
         return {"live_budget_bytes": p.budget.limit, "gathered_bytes": p.budget.live,
                 "peak_gathered_bytes": p.budget.peak, "on_demand_fetches": p.on_demand,
                 "rerecorded_passes": p.schedule.rerecorded, "units": len(self.units),
+                "read_elsewhere": sum(len(v) for v in self._attached.values()),
                 "resident_bytes": sum(u.nbytes for u in self.units if u.resident)}
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -659,6 +779,8 @@ class Stage3Runtime:
             self._root_check.remove()
         for h in self._handles:
             h.remove()
+        if getattr(self, "_read_watch", None) is not None:
+            self._stop_read_watch()
         try:
             if self.prefetcher is not None:
                 self.prefetcher.close()
