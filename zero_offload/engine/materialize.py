@@ -85,16 +85,16 @@ class WeightFiller:
         # BatchNorm's reset_running_stats) writes over the constructor's value, as in eager construction.
         self.buffers = MetaBuffers(model, weights, source, self.shapes)
 
-    def finish(self, device: torch.device) -> None:
+    def finish(self, device: torch.device, dtype: torch.dtype) -> None:
         """After every unit is filled: the init of the modules holding no parameters at all (a
         rotary embedding; as model.apply(init_fn) would reach them), then every buffer checked
-        to have a value and moved to `device`."""
+        to have a value and moved to `device` (floating ones in `dtype`, the compute dtype)."""
         if self.meta and self.weights is None:
             with torch.no_grad():
                 for module in reversed(list(self.model.modules())):  # below before above, as model.apply
                     if next(module.parameters(), None) is None:
                         self._init_keeping(module, [], set())
-        self.buffers.finish(device, self.initialized)
+        self.buffers.finish(device, self.initialized, dtype)
 
     def fill(self, named: list[tuple[str, nn.Parameter]], views: list[torch.Tensor], live: list[torch.Tensor | None]) -> None:
         """views[i] (fp32, shaped) receives the initial value of named[i]; live[i] is its current data."""

@@ -85,10 +85,12 @@ class MetaBuffers:
             module._buffers[bname] = placeholder
             self._placeholders.append((full, module, bname, placeholder, placeholder._version, reasons[0]))
 
-    def finish(self, device: torch.device, initialized: set[int]) -> None:
+    def finish(self, device: torch.device, initialized: set[int], dtype: torch.dtype) -> None:
         """Refuse a placeholder no init wrote (neither replaced nor written in place), then move
-        every buffer to `device` (once per tensor: shared buffers stay shared). `initialized`:
-        the id of every module the init was called on (what the error may suggest)."""
+        every buffer to `device`, floating ones in the compute `dtype` as `model.to(device, dtype)`
+        does at stages 0-2 (a BatchNorm's running statistics must match its bf16 input), once per
+        tensor: shared buffers stay shared. `initialized`: the id of every module the init was
+        called on (what the error may suggest)."""
         for full, module, bname, placeholder, version, why in self._placeholders:
             if module._buffers.get(bname) is placeholder and placeholder._version == version:
                 raise ValueError(self._unwritten(full, module, why, id(module) in initialized))
@@ -97,7 +99,7 @@ class MetaBuffers:
             for bname, b in module._buffers.items():
                 if b is not None:
                     if id(b) not in moved:
-                        moved[id(b)] = b.to(device)
+                        moved[id(b)] = b.to(device, dtype) if b.is_floating_point() else b.to(device)
                     module._buffers[bname] = moved[id(b)]
 
     def _unwritten(self, full: str, module: nn.Module, why: str, init_called: bool) -> str:

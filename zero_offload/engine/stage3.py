@@ -126,7 +126,7 @@ class Stage3Runtime:
                                               shapes=shapes)
             for u in self.units:
                 self._materialize(u, filler)
-            filler.finish(self.device)  # every buffer has its value (or initialize fails naming it)
+            filler.finish(self.device, self.dtype)  # every buffer has its value (or initialize fails naming it)
             for b in model.buffers():
                 comm.broadcast_(b.data, 0)
             del source
