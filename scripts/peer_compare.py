@@ -15,6 +15,9 @@ Our configs, each beside the DeepSpeed config it is compared with:
                       by our DeepSpeed on-ramp: what a DeepSpeed user gets without tuning anything
   zo_stage3_nvme      stage 3, parameters and optimizer state on nvme, tuned: unit_modules
                       ["Block"] (vs zero3_nvme_maxcpu0)
+  zo_stage3_nvme_default  zo_stage3_nvme without unit_modules: the default unit choice, the
+                      only difference, so its ratio against zero3_nvme_maxcpu0 beside the tuned
+                      one says what the default choice costs
   zo_stage3_nvme_ds   zero3_nvme_maxcpu0's own DeepSpeed config, read by our on-ramp: no
                       unit_modules (the default unit policy), its overlap_comm false (our
                       overlap_step), and our default staging budget, which holds this model's
@@ -41,7 +44,7 @@ from typing import Any
 TAG = "PEER_COMPARE_RESULT "
 # Each DeepSpeed config and ours against it: tuned, then its own config read by our on-ramp.
 PAIRS = [("torch", ()), ("zero2_cpu", ("zo_stage2_cpu", "zo_stage2_cpu_ds")),
-         ("zero3_nvme_maxcpu0", ("zo_stage3_nvme", "zo_stage3_nvme_ds"))]
+         ("zero3_nvme_maxcpu0", ("zo_stage3_nvme", "zo_stage3_nvme_default", "zo_stage3_nvme_ds"))]
 SIZES = (("n_layer", 8), ("d_model", 512), ("n_head", 8), ("seq", 128), ("batch", 4), ("vocab", 8192))
 
 
@@ -61,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--only-ours", action="store_true", help="skip the DeepSpeed runs")
+    p.add_argument("--pairs", default=",".join(name for name, _ in PAIRS),
+                   help="the DeepSpeed configs to run, each with ours beside it (comma-separated)")
     for name, default in SIZES:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                        help=f"model / data size, as ds_e2e.py's (default {default})")
@@ -70,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    unknown = set(args.pairs.split(",")) - {name for name, _ in PAIRS}
+    if unknown:
+        p.error(f"--pairs: unknown {sorted(unknown)}; choose from {[name for name, _ in PAIRS]}")
     if any(getattr(args, n) < 1 for n, _ in SIZES) or args.d_model % args.n_head:
         p.error("the sizes must be >= 1 and --d-model a multiple of --n-head")
     if not os.path.isfile(args.peer_script):
@@ -123,12 +131,12 @@ def _base_config(name: str, nvme_dir: str) -> Any:
     common = dict(optimizer={"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1})
     if name == "zo_stage2_cpu":
         return Config(stage=2, tiers={"grads": "cpu", "optimizer": "cpu"}, **common)
-    if name == "zo_stage3_nvme":
+    if name in ("zo_stage3_nvme", "zo_stage3_nvme_default"):
         # A staging budget well below the 354 MB of optimizer state, so that every step really
         # reads and writes it on the drive instead of finding it in the staging ring.
+        units = {"stage3": {"unit_modules": ["Block"]}} if name == "zo_stage3_nvme" else {}
         return Config(stage=3, tiers={"params": "nvme", "grads": "cpu", "optimizer": "nvme"},
-                      nvme_paths=(nvme_dir,), pinned_budget_bytes=64 << 20,
-                      stage3={"unit_modules": ["Block"]}, **common)
+                      nvme_paths=(nvme_dir,), pinned_budget_bytes=64 << 20, **units, **common)
     raise SystemExit(f"unknown config {name}")
 
 
@@ -238,7 +246,7 @@ def orchestrate(args: argparse.Namespace) -> None:
 def _orchestrate(args: argparse.Namespace, root: str) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     for r in range(args.rounds):
-        for peer_name, ours in PAIRS:
+        for peer_name, ours in [pair for pair in PAIRS if pair[0] in args.pairs.split(",")]:
             jobs = ([] if args.only_ours else [("ds", peer_name)]) + [("zo", name) for name in ours]
             for who, name in jobs:
                 res = run_peer(args, name, root) if who == "ds" else run_ours(args, name, root)
@@ -268,6 +276,10 @@ def _print_table(summary: dict[str, dict[str, Any]]) -> None:
                 speedup = summary[peer_name]["total_s_median"] / summary[name]["total_s_median"]
                 verdict = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
                 print(f"{name} vs DeepSpeed {peer_name}: {verdict}")
+        tuned = summary.get(ours[0], {}).get("total_s_median") if ours else None
+        for name in ours[1:]:
+            if name in summary and tuned:
+                print(f"{name} vs {ours[0]}: {summary[name]['total_s_median'] / tuned:.3f}x its step time")
         for name in ours:
             if name in summary and base:
                 print(f"{name} vs plain torch loop: {summary[name]['total_s_median'] / base:.2f}x the torch step time")
