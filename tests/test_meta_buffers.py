@@ -116,7 +116,7 @@ def _meta_net() -> Net:
 
 def test_a_buffer_that_cannot_be_computed_is_a_one_line_error_naming_it(tmp_path: object) -> None:
     with pytest.raises(ValueError, match=r"buffer 'table.freq' \(Table\) of the meta-device model has no value: "
-                                         r".*argument 'n' is not an attribute of the module\); set it in init_fn "
+                                         r".*argument 'n' is not an attribute of the module or of one enclosing it\); set it in init_fn "
                                          r"\(which is called on that module\), or build that module off the meta "
                                          r"device$") as info:
         zero_offload.initialize(_meta_net(), _cfg("Table"))

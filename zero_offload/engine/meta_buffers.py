@@ -5,7 +5,8 @@ kept out of weight files (RoPE's `inv_freq` is non-persistent). Each buffer gets
 - a persistent buffer that the weights hold: the weights' value;
 - else, a meta buffer: its value from the module's own constructor, run again on the CPU with the
   arguments its signature names read from the module's attributes of the same name (a rotary
-  embedding keeps `self.config`, a BatchNorm its `num_features`, `eps`, ...). The rebuilt module
+  embedding keeps `self.config`, a BatchNorm its `num_features`, `eps`, ...), or else from the
+  nearest enclosing module's (BERT's embeddings are given the model's `config` without keeping it). The rebuilt module
   must have the same submodules, parameter and buffer names and shapes, buffer dtypes and plain
   attributes, or it is not used. Rebuilding allocates the module's own parameters once, so it is
   done only for modules of at most REBUILD_MAX_NUMEL elements (small ones: the rotary embedding
@@ -13,12 +14,13 @@ kept out of weight files (RoPE's `inv_freq` is non-persistent). Each buffer gets
 - else a placeholder, which the init (a module's reset_parameters, then init_fn) must write.
 Inits run after this, so what they write wins, as after eager construction. At `finish` a
 placeholder nothing wrote is a one-line error naming the buffer, its module and the fix: never
-zeros, never meta. Every buffer then moves to the compute device.
+zeros, never meta. Every buffer then moves to the compute device (floating ones in the compute
+dtype, as `model.to(device, dtype)` would).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +41,8 @@ class MetaBuffers:
         self._rebuilt: dict[int, tuple[nn.Module | None, str]] = {}  # id(module) -> rebuild(module)
         pending: dict[int, list[tuple[str, nn.Module, str]]] = {}  # id(meta buffer) -> its registrations
         loaded: dict[int, torch.Tensor] = {}  # id(buffer) -> the weights' value for it
+        by_name = dict(model.named_modules())
+        self._enclosing = {id(m): _enclosing(name, by_name) for name, m in by_name.items()}
         for mname, module in model.named_modules():
             for bname, b in module._buffers.items():
                 full = f"{mname}.{bname}" if mname else bname
@@ -71,7 +75,7 @@ class MetaBuffers:
         reasons = []
         for _, module, bname in registrations:
             if id(module) not in self._rebuilt:
-                self._rebuilt[id(module)] = rebuild(module, self.shapes)
+                self._rebuilt[id(module)] = rebuild(module, self.shapes, self._enclosing.get(id(module), ()))
             built, why = self._rebuilt[id(module)]
             if built is not None:
                 value = built._buffers[bname].detach()
@@ -115,13 +119,21 @@ class MetaBuffers:
                 "off the meta device")
 
 
-def rebuild(module: nn.Module, shapes: Mapping[int, torch.Size]) -> tuple[nn.Module | None, str]:
-    """`module` built again on the CPU by its own constructor, from its attributes; or None and
-    why not (a one-line reason)."""
+def _enclosing(name: str, by_name: Mapping[str, nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules enclosing the one at `name`, nearest first (the model last)."""
+    parts = name.split(".") if name else []
+    return tuple(by_name[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1))
+
+
+def rebuild(module: nn.Module, shapes: Mapping[int, torch.Size],
+            enclosing: Sequence[nn.Module] = ()) -> tuple[nn.Module | None, str]:
+    """`module` built again on the CPU by its own constructor, from its attributes (or those of
+    the nearest enclosing module that has one of that name: a Hugging Face block is given the
+    model's `config` but need not keep it); or None and why not (a one-line reason)."""
     numel = _numel(module, shapes)
     if numel > REBUILD_MAX_NUMEL:
         return None, f"it would allocate {numel} elements, over the {REBUILD_MAX_NUMEL} allowed"
-    args = _constructor_args(module)
+    args = _constructor_args(module, enclosing)
     if isinstance(args, str):
         return None, args
     try:
@@ -139,27 +151,28 @@ def _numel(module: nn.Module, shapes: Mapping[int, torch.Size]) -> int:
     return sum(params.values()) + sum(buffers.values())
 
 
-def _constructor_args(module: nn.Module) -> tuple[list[Any], dict[str, Any]] | str:
+def _constructor_args(module: nn.Module, enclosing: Sequence[nn.Module] = ()) -> tuple[list[Any], dict[str, Any]] | str:
     """(positional, keyword) arguments for type(module)(...), each read from the module's
-    attribute of its name; a reason string when one cannot be."""
+    attribute of its name, else the nearest enclosing module's; a reason string when one cannot
+    be. What is built this way is used only if it matches the module (_difference)."""
     try:
         params = list(inspect.signature(type(module).__init__).parameters.values())[1:]
     except (TypeError, ValueError):
         return "its constructor's signature cannot be read"
-    attrs = vars(module)
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        if p.name in attrs:
-            value = attrs[p.name]
+        owner = next((vars(m) for m in (module, *enclosing) if p.name in vars(m)), None)
+        if owner is not None:
+            value = owner[p.name]
             if isinstance(value, (nn.Module, torch.Tensor)):
                 return f"its constructor's argument '{p.name}' is a module or tensor"
         elif p.name in FACTORY_ARGS and p.default is not p.empty:
             value = p.default
         else:
-            return f"its constructor's argument '{p.name}' is not an attribute of the module"
+            return f"its constructor's argument '{p.name}' is not an attribute of the module or of one enclosing it"
         if p.kind is p.POSITIONAL_ONLY:
             args.append(value)
         else:
