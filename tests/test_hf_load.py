@@ -188,6 +188,24 @@ def test_gpt_neox_embed_out_is_renamed(tmp_path: Any) -> None:
     _check(folder, _oracle(eager, _tokens), _tokens, tmp_path)
 
 
+def _dinov2() -> nn.Module:
+    return transformers.Dinov2ForImageClassification(transformers.Dinov2Config(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+        use_swiglu_ffn=True, num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def test_dinov2_one_stored_tensor_chunked_into_two(tmp_path: Any) -> None:
+    """One to many: Dinov2's SwiGLU stores mlp.weights_in, which transformers chunks into the
+    module's gate_proj and up_proj (and renames its attention projections)."""
+    eager = _eager(_dinov2)
+    folder = str(tmp_path / "dinov2")
+    eager.save_pretrained(folder)
+    stored = _stored_names(folder)
+    assert "dinov2.encoder.layer.0.mlp.weights_in.weight" in stored
+    assert "dinov2.encoder.layer.0.mlp.up_proj.weight" not in stored
+    _check(folder, _oracle(eager, _images), _images, tmp_path, model_class=transformers.AutoModelForImageClassification)
+
+
 def test_stage_2_loads_the_converted_folder(tmp_path: Any) -> None:
     """At stages 0-2 the whole model is on the device anyway: transformers' from_pretrained loads it."""
     eager = _eager(_mixtral)
@@ -288,3 +306,34 @@ def test_initialize_takes_a_weight_source(tmp_path: Any) -> None:
         meta = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(KeyError, match="weights file my source has no tensor '2.bias'"):
         zero_offload.initialize(meta, _cfg(tmp_path), weights=source)
+
+
+def test_a_tied_weight_stored_under_its_other_name(tmp_path: Any) -> None:
+    """A tied head stored as lm_head.weight only (the embeddings' name absent): the tied
+    parameter takes it, as transformers' loader ties it."""
+    from safetensors.torch import load_file, save_file
+
+    eager = _eager(_llama)
+    folder = str(tmp_path / "llama")
+    eager.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, path)
+    _check(folder, _oracle(eager, _tokens), _tokens, tmp_path)
+
+
+def test_stored_tensors_without_a_place_are_named_in_a_warning(tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    eager = _eager(_llama)
+    folder = str(tmp_path / "llama")
+    eager.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, path)
+    with pytest.warns(UserWarning, match="1 tensors of .* have no place in LlamaForCausalLM and are not read "
+                                         r"\(the first: 'model.layers.0.mlp.extra.weight'\)"):
+        engine = from_pretrained(folder, _cfg(tmp_path))
+    engine.close()

@@ -15,6 +15,7 @@ from_pretrained loads it, and the engine takes it as it would any built model.
 from __future__ import annotations
 
 import os
+import warnings
 from copy import deepcopy
 from functools import partial
 from typing import Any, Collection, Mapping
@@ -57,7 +58,20 @@ class ConvertedWeights:
         self.transforms = get_model_conversion_mapping(model, dict(key_mapping) if key_mapping else None, None)
         self.jobs = self._plan()
         self._by_target = {t: job for job in self.jobs.values() for t in job.targets()}
+        self._alias = self._tied_aliases()
         self._ready: dict[str, torch.Tensor] = {}  # the last conversion's other outputs, until asked for
+
+    def _tied_aliases(self) -> dict[str, str]:
+        """name -> the stored name of the same (tied) parameter, for a name the folder lacks while
+        another name of its parameter is there: a tied head stored under lm_head.weight only."""
+        names: dict[int, list[str]] = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        alias = {}
+        for group in names.values():
+            present = [n for n in group if n in self._by_target]
+            alias.update({n: present[0] for n in group if present and n not in self._by_target})
+        return alias
 
     def _plan(self) -> dict[str, _Job]:
         """Each stored name renamed as transformers' loader renames it (its renamings, then at
@@ -86,9 +100,10 @@ class ConvertedWeights:
         return jobs
 
     def names(self) -> Collection[str]:
-        return self._by_target.keys()
+        return dict.fromkeys([*self._by_target, *self._alias]).keys()  # in stored order, for error messages
 
     def read(self, name: str) -> torch.Tensor:
+        name = self._alias.get(name, name)
         if name in self._ready:
             return self._ready.pop(name)
         job = self._by_target[name]
@@ -172,6 +187,9 @@ def from_pretrained(folder: str | os.PathLike, zero_offload_config: Config | Map
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"from_pretrained: {folder} has no config.json (a folder written by save_pretrained)")
     config = AutoConfig.from_pretrained(folder, **config_kwargs)
+    if getattr(config, "quantization_config", None) is not None:
+        raise NotImplementedError(f"from_pretrained: {folder} is a quantized checkpoint (config.json's "
+                                  "quantization_config); zero_offload loads unquantized weights only")
     model_class = model_class or AutoModelForCausalLM
     zo, dtype = _zo_config(zero_offload_config), _dtype(dtype, torch_dtype)
     if zo.stage != 3:
@@ -179,6 +197,9 @@ def from_pretrained(folder: str | os.PathLike, zero_offload_config: Config | Map
         return initialize(model, zo, param_groups=param_groups)
     model = build_on_meta(model_class, config, dtype)
     source = ConvertedWeights(model, folder, key_mapping)
+    if source.unused:  # transformers' loader reports them too ("unexpected keys")
+        warnings.warn(f"from_pretrained: {len(source.unused)} tensors of {folder} have no place in "
+                      f"{type(model).__name__} and are not read (the first: '{source.unused[0]}')", stacklevel=2)
     # As transformers' loader leaves them: the conversions this folder used (a later save_pretrained
     # writes the layout it was loaded from), and the model in eval mode (model.train() to train with dropout).
     model._weight_conversions = [t for t in source.transforms if t.was_used()]
