@@ -337,3 +337,42 @@ def test_stored_tensors_without_a_place_are_named_in_a_warning(tmp_path: Any) ->
                                          r"\(the first: 'model.layers.0.mlp.extra.weight'\)"):
         engine = from_pretrained(folder, _cfg(tmp_path))
     engine.close()
+
+
+class _Counting(dict):
+    """The stored tensors' Mapping, counting each read."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner, self.reads = inner, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return self.inner[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.inner
+
+    def __iter__(self) -> Any:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_each_stored_tensor_is_read_once_in_module_order(tmp_path: Any, monkeypatch: Any) -> None:
+    """Streaming: every stored tensor read once (Dinov2's weights_in once for its two module
+    tensors), layer 0's before layer 1's."""
+    import zero_offload.hf.load as load
+    from zero_offload.engine.weights_files import open_weights
+
+    folder = str(tmp_path / "dinov2")
+    _eager(_dinov2).save_pretrained(folder, max_shard_size="30KB")
+    seen: list[_Counting] = []
+    monkeypatch.setattr(load, "open_weights", lambda path: seen.append(_Counting(open_weights(path))) or seen[-1])
+    engine = from_pretrained(folder, _cfg(tmp_path), model_class=transformers.AutoModelForImageClassification)
+    engine.close()
+    reads = seen[0].reads
+    assert sorted(reads) == sorted(seen[0].inner) and set(reads.values()) == {1}, {k: v for k, v in reads.items() if v != 1}
+    order = [k for k in reads if ".layer." in k]
+    assert max(i for i, k in enumerate(order) if ".layer.0." in k) < min(i for i, k in enumerate(order) if ".layer.1." in k)

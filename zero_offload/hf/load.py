@@ -56,10 +56,12 @@ class ConvertedWeights:
         self.where, self.model = os.fspath(folder), model
         self.stored = open_weights(self.where)  # lazy: a header or an index only
         self.transforms = get_model_conversion_mapping(model, dict(key_mapping) if key_mapping else None, None)
-        self.jobs = self._plan()
+        self.jobs, self.unused = self._plan()
         self._by_target = {t: job for job in self.jobs.values() for t in job.targets()}
         self._alias = self._tied_aliases()
-        self._ready: dict[str, torch.Tensor] = {}  # the last conversion's other outputs, until asked for
+        # A one-to-many conversion's other outputs, each held until asked for: the filler asks for
+        # them within the same unit (Dinov2's gate_proj.bias comes between gate_proj.weight and up_proj.weight).
+        self._ready: dict[str, torch.Tensor] = {}
 
     def _tied_aliases(self) -> dict[str, str]:
         """name -> the stored name of the same (tied) parameter, for a name the folder lacks while
@@ -73,11 +75,11 @@ class ConvertedWeights:
             alias.update({n: present[0] for n in group if present and n not in self._by_target})
         return alias
 
-    def _plan(self) -> dict[str, _Job]:
+    def _plan(self) -> tuple[dict[str, _Job], list[str]]:
         """Each stored name renamed as transformers' loader renames it (its renamings, then at
         most one converter; the base-model prefix added or dropped to match the model), grouped
-        by the name transformers files it under. Stored names the model has no place for are
-        skipped, as transformers skips them (with its warning: see `unused`)."""
+        by the name transformers files it under; and the stored names the model has no place
+        for, skipped as transformers skips them (it warns of them: so does from_pretrained)."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
         renamings = [t for t in self.transforms if isinstance(t, WeightRenaming)]
@@ -86,18 +88,18 @@ class ConvertedWeights:
         expected = self.model.state_dict()  # meta tensors: names only
         prefix = getattr(self.model, "base_model_prefix", None)
         jobs: dict[str, _Job] = {}
-        self.unused: list[str] = []
+        unused: list[str] = []
         for key in sorted(self.stored, key=dot_natural_key):
             renamed, pattern = rename_source_key(key, renamings, converters, prefix, expected)
             if renamed not in expected and key in expected:  # renamed away from a name the model has
                 renamed, pattern = rename_source_key(key, [], [], prefix, expected)
             if renamed not in expected:
-                self.unused.append(key)
+                unused.append(key)
                 continue
             job = jobs.setdefault(renamed, _Job(renamed, None if pattern is None else by_pattern[pattern]))
             if pattern is not None or not job.sources:  # a plain rename takes the first stored name only
                 job.sources.append((key if pattern is None else pattern, key))
-        return jobs
+        return jobs, unused
 
     def names(self) -> Collection[str]:
         return dict.fromkeys([*self._by_target, *self._alias]).keys()  # in stored order, for error messages
@@ -112,15 +114,16 @@ class ConvertedWeights:
             raise ValueError(f"weights file {self.where}: transformers' conversion of {self._stored(job)} gave "
                              f"{sorted(out)}, not '{name}'")
         value = out.pop(name)
-        self._ready = out  # a one-to-many conversion's siblings: asked for next, in the same unit
+        self._ready.update(out)
         return value
 
     def _convert(self, job: _Job) -> dict[str, torch.Tensor]:
-        """transformers' transform for one job, fed its stored tensors on demand (the loader's
-        synchronous path: each tensor read when the transform collects it)."""
-        from transformers.core_model_loading import WeightRenaming
-
-        transform = deepcopy(job.template) if job.template is not None else WeightRenaming(job.sources[0][1], job.first)
+        """A plain rename is the stored tensor itself (rename_source_key named it); a converter
+        is a copy of transformers' transform fed the job's stored tensors on demand (its
+        loader's synchronous path: each tensor read when the transform collects it)."""
+        if job.template is None:
+            return {job.first: self.stored[job.sources[0][1]]}
+        transform = deepcopy(job.template)
         for pattern, key in job.sources:
             transform.add_tensor(job.first, key, pattern, partial(self.stored.__getitem__, key))
         try:
