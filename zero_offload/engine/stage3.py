@@ -85,7 +85,7 @@ class Stage3Runtime:
     replicated = False
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, *,
-                 init_fn: materialize.InitFn | None = None, weights: str | None = None) -> None:
+                 init_fn: materialize.InitFn | None = None, weights: materialize.Weights = None) -> None:
         self.model, self.config, self.device = model, config, torch.device(device)
         self.world, self.rank = comm.world_size(), comm.rank()
         self.dtype = DTYPES[config.precision.dtype]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Collection, Iterator, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Collection, Iterator, Mapping, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -73,7 +73,10 @@ class SourceWeights(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-def open_source(weights: str | os.PathLike | WeightSource | None) -> tuple[Mapping[str, torch.Tensor] | None, str]:
+Weights = Union[str, os.PathLike, WeightSource, None]  # what `weights=` takes
+
+
+def open_source(weights: Weights) -> tuple[Mapping[str, torch.Tensor] | None, str]:
     """`weights=` as (the lazy Mapping, what error messages name it), or (None, "") for none."""
     if isinstance(weights, WeightSource):
         return SourceWeights(weights), weights.where
