@@ -1,0 +1,81 @@
+"""engine.end_accumulation_cycle(): a gradient-accumulation cycle cut short (Trainer's last cycle
+of an epoch) is stepped at its last micro-batch, with the update torch's AdamW makes of the
+gradient Trainer forms.
+
+Trainer scales each micro-batch's loss by the cycle's item count (its mean over the whole cycle,
+however many micro-batches the cycle has); ZeroOffloadAccelerator hands it to the engine times
+gradient_accumulation_steps, which the engine's 1/gradient_accumulation_steps undoes. So the
+reference steps AdamW on the gradient of the mean loss over each cycle's rows, a short cycle's too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_offload
+from zero_offload.engine.engine import EngineStateError
+from _engine_model import batch, make_model
+
+GAS, ROWS, LR = 3, 2, 1e-2
+CYCLES = (3, 1, 2, 3)  # micro-batches per cycle: the second and third are cut short
+
+
+def config(stage: int, clip: float) -> dict:
+    tiers = {"params": "cpu", "optimizer": "cpu", "grads": "cpu"} if stage == 3 else {"optimizer": "cpu", "grads": "cpu"}
+    extra = {"stage3": {"unit_modules": ["TinyBlock"]}} if stage == 3 else {}
+    return dict(stage=stage, tiers=tiers, gradient_accumulation_steps=GAS, clip_grad_norm=clip,
+                optimizer={"lr": LR, "weight_decay": 0.01}, **extra)
+
+
+def micro_batches(cycle: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = batch(cycle, ROWS * k)
+    return [(x[i * ROWS:(i + 1) * ROWS], y[i * ROWS:(i + 1) * ROWS]) for i in range(k)]
+
+
+def reference(clip: float) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """AdamW on each cycle's mean-loss gradient; the final weights and the pre-clip norms."""
+    model = make_model()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=0.01)
+    norms = []
+    for c, k in enumerate(CYCLES):
+        x, y = batch(c, ROWS * k)
+        model(x, y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params.values(), clip if clip else float("inf"))))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in params.items()}, norms
+
+
+@pytest.mark.parametrize("stage,clip", [(0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0), (2, 1.0), (3, 1.0)])
+def test_a_short_cycle_steps_what_adamw_steps_on_the_cycles_mean_gradient(stage: int, clip: float) -> None:
+    engine = zero_offload.initialize(make_model(), config(stage, clip))
+    norms = []
+    for c, k in enumerate(CYCLES):
+        for i, (x, y) in enumerate(micro_batches(c, k)):
+            if i == k - 1 and k < GAS:
+                engine.end_accumulation_cycle()
+            assert engine.is_boundary == (i == k - 1)
+            engine.backward(engine(x, y) / k * GAS)  # Trainer's loss (cycle mean), times GAS as the accelerator does
+            engine.step()
+        norms.append(engine.grad_norm)
+    assert engine.global_steps == len(CYCLES)
+    weights, ref_norms = reference(clip)
+    ours = engine.consolidated_state_dict()
+    for name, value in weights.items():
+        assert torch.allclose(ours[name], value, rtol=1e-5, atol=1e-7), name
+    if clip:
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+    engine.close()
+
+
+def test_end_accumulation_cycle_after_backward_is_refused() -> None:
+    engine = zero_offload.initialize(make_model(), config(2, 0.0))
+    x, y = micro_batches(0, 1)[0]
+    engine.backward(engine(x, y))
+    with pytest.raises(EngineStateError, match=r"engine.end_accumulation_cycle called in phase backward"):
+        engine.end_accumulation_cycle()
+    engine.step()
+    engine.end_accumulation_cycle()  # between micro-batches it applies to the next one
+    assert engine.is_boundary
+    engine.close()
