@@ -21,7 +21,7 @@ CYCLES = (3, 1, 2, 3)  # micro-batches per cycle: the second and third are cut s
 
 
 def config(stage: int, clip: float) -> dict:
-    tiers = {"params": "cpu", "optimizer": "cpu", "grads": "cpu"} if stage == 3 else {"optimizer": "cpu", "grads": "cpu"}
+    tiers = {"optimizer": "cpu", "grads": "cpu", **({"params": "cpu"} if stage == 3 else {})}
     extra = {"stage3": {"unit_modules": ["TinyBlock"]}} if stage == 3 else {}
     return dict(stage=stage, tiers=tiers, gradient_accumulation_steps=GAS, clip_grad_norm=clip,
                 optimizer={"lr": LR, "weight_decay": 0.01}, **extra)

@@ -149,6 +149,19 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path: Any) -> N
     trainer.engine.close()
 
 
+def test_bf16_computes_in_the_engines_bf16_with_fp32_master_weights(tmp_path: Any, plain_run: Any) -> None:
+    """bf16=True: the engine's compute copy is bf16 (no autocast), the master fp32; the first four
+    losses (the same learning rates before them) follow the fp32 run's to bf16 rounding (3e-5 here)."""
+    args = training_args(str(tmp_path), max_steps=4, bf16=True)
+    trainer = ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN, zero_offload_config=STAGE2_CPU)
+    trainer.train()
+    assert trainer.engine.dtype == torch.bfloat16 == next(trainer.model.parameters()).dtype
+    assert all(v.dtype == torch.float32 for v in trainer.engine.consolidated_state_dict().values())
+    assert len(logged(trainer.state.log_history, "grad_norm")) == 4
+    assert losses(trainer.state.log_history) == pytest.approx(losses(plain_run()[0])[:4], rel=1e-3)
+    trainer.engine.close()
+
+
 def _ds_config(tmp: str) -> dict[str, Any]:
     """A DeepSpeed ZeRO-3 NVMe config as the transformers docs write it, "auto" values and all."""
     os.makedirs(os.path.join(tmp, "nvme"), exist_ok=True)
@@ -204,6 +217,14 @@ def test_a_zero_offload_config_takes_its_training_values_from_training_arguments
     assert (c.optimizer.lr, c.gradient_accumulation_steps, c.precision.dtype, c.clip_grad_norm) == (3e-4, 4, "bf16", 1.0)
     with pytest.raises(ConfigError, match=r"optimizer.lr=0.001 vs TrainingArguments learning_rate=0.0003"):
         resolve({"stage": 2, "optimizer": {"lr": 1e-3}}, args)
+    # Trainer: max_grad_norm <= 0 is no clipping, its norm still logged (the deferred step forms it)
+    for no_clip in (0.0, -1.0):
+        c = resolve({"stage": 2}, training_args(str(tmp_path), max_grad_norm=no_clip))
+        assert (c.clip_grad_norm, c.overlap_step) == (0.0, False)
+    assert resolve({"stage": 2}, training_args(str(tmp_path))).overlap_step
+    with pytest.raises(ConfigError, match=r"^TrainingArguments.max_grad_norm = None: Trainer needs a number "
+                                          r"\(max_grad_norm=0 for no clipping\)$"):
+        resolve({"stage": 2}, training_args(str(tmp_path), max_grad_norm=None))
 
 
 def test_training_arguments_deepspeed_is_refused_in_one_line(tmp_path: Any) -> None:

@@ -165,7 +165,8 @@ def _drop_scheduler(data: dict, args: Any) -> None:
         raise ConfigError(f"DeepSpeed key 'scheduler.type' = {kind!r}: expected one of {', '.join(_DS_SCHEDULERS)}")
     warnings.warn(f"DeepSpeed scheduler {kind} is not run: ZeroOffloadTrainer uses TrainingArguments' "
                   f"lr_scheduler_type={str(getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type))!r} "
-                  f"with warmup_steps={args.warmup_steps} on engine.optimizer", UserWarning, stacklevel=_user_stacklevel())
+                  f"with warmup_steps={args.warmup_steps} on engine.optimizer", UserWarning,
+                  stacklevel=_user_stacklevel())
 
 
 def _from_deepspeed(data: Mapping[str, Any], args: Any, model: Any) -> Config:
