@@ -280,18 +280,18 @@ def _assert_same_logs(ours: list[dict], theirs: list[dict], where: str, exact: b
 
 def _two_ranks(rank: int, world: int, out: str) -> None:
     """On each of two gloo ranks, as torchrun would start them: a plain Trainer (DDP), then
-    ZeroOffloadTrainer at stages 2 and 3 (with evaluation, then save_model); rank 0 compares.
-    Stage 2 also saves checkpoints and is resumed from its mid-epoch checkpoint-3. Without the
-    sampler sharding the data per rank, or with the module wrapped in DDP, the runs differ (or
-    stage 3 fails)."""
+    ZeroOffloadTrainer at stages 2 and 3 (with evaluation and a checkpoint, then save_model);
+    rank 0 compares. Each is then resumed from its mid-epoch checkpoint-3. Without the sampler
+    sharding the data per rank, or with the module wrapped in DDP, the runs differ (or stage 3
+    fails)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     history, plain = _plain_ddp(out)
     for where in ("stage2-cpu", "stage3-cpu"):
         path = os.path.join(out, where)
-        saves = dict(save_strategy="steps", save_steps=3) if where == "stage2-cpu" else {}
         ours = ZeroOffloadTrainer(model=tiny_llama(attention_dropout=0.2), train_dataset=TRAIN_D2, eval_dataset=EVAL,
-                                  args=_d2_args(path, **saves), zero_offload_config=_d2_config(where))
+                                  args=_d2_args(path, save_strategy="steps", save_steps=3),
+                                  zero_offload_config=_d2_config(where))
         ours.train()
         assert torch.distributed.get_world_size() == 2
         weights = ours.engine.consolidated_state_dict()  # a collective; full on rank 0
@@ -299,8 +299,7 @@ def _two_ranks(rank: int, world: int, out: str) -> None:
             _assert_same_logs(ours.state.log_history, history, where)
             assert max_relative_difference(weights, plain) < 1e-5, where
         _assert_saved_model_loads_with_the_same_logits(ours, os.path.join(path, "saved"), rank)
-        if saves:
-            _assert_resumes_bit_for_bit(ours, weights, rank, out)
+        _assert_resumes_bit_for_bit(ours, weights, rank, where)
         ours.engine.close()
 
 
@@ -315,16 +314,16 @@ def _assert_saved_model_loads_with_the_same_logits(trainer: ZeroOffloadTrainer, 
 
 
 def _assert_resumes_bit_for_bit(first: ZeroOffloadTrainer, weights: dict[str, torch.Tensor], rank: int,
-                                out: str) -> None:
+                                where: str) -> None:
     checkpoint = os.path.join(first.args.output_dir, "checkpoint-3")
     second = ZeroOffloadTrainer(model=tiny_llama(seed=1, attention_dropout=0.2), train_dataset=TRAIN_D2,
-                                eval_dataset=EVAL, args=_d2_args(os.path.join(out, "resumed")),
-                                zero_offload_config=STAGE2_CPU)
+                                eval_dataset=EVAL, args=_d2_args(first.args.output_dir + "-resumed"),
+                                zero_offload_config=_d2_config(where))
     second.train(resume_from_checkpoint=checkpoint)
     resumed = second.engine.consolidated_state_dict()
     if rank == 0:
-        _assert_same_logs(second.state.log_history, first.state.log_history, "resumed", exact=True)
-        assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+        _assert_same_logs(second.state.log_history, first.state.log_history, f"{where} resumed", exact=True)
+        assert all(torch.equal(resumed[k], weights[k]) for k in weights), where
     second.engine.close()
 
 
