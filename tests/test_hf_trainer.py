@@ -149,16 +149,44 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path: Any) -> N
     trainer.engine.close()
 
 
-def test_bf16_computes_in_the_engines_bf16_with_fp32_master_weights(tmp_path: Any, plain_run: Any) -> None:
-    """bf16=True: the engine's compute copy is bf16 (no autocast), the master fp32; the first four
-    losses (the same learning rates before them) follow the fp32 run's to bf16 rounding (3e-5 here)."""
-    args = training_args(str(tmp_path), max_steps=4, bf16=True)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_computes_in_the_engines_dtype_with_fp32_master_weights(dtype: str, tmp_path: Any,
+                                                                               plain_run: Any) -> None:
+    """bf16=True / fp16=True: the engine's compute copy is in that dtype (no autocast), the master
+    fp32; the first four losses (the same learning rates before them) follow the fp32 run's to
+    half-precision rounding (3e-5 here). fp16's default loss scale overflows no step here."""
+    args = training_args(str(tmp_path), max_steps=4, **{dtype: True})
     trainer = ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN, zero_offload_config=STAGE2_CPU)
     trainer.train()
-    assert trainer.engine.dtype == torch.bfloat16 == next(trainer.model.parameters()).dtype
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert trainer.engine.dtype == half == next(trainer.model.parameters()).dtype
     assert all(v.dtype == torch.float32 for v in trainer.engine.consolidated_state_dict().values())
-    assert len(logged(trainer.state.log_history, "grad_norm")) == 4
+    assert len(logged(trainer.state.log_history, "grad_norm")) == 4 and trainer.engine.skipped_steps == 0
     assert losses(trainer.state.log_history) == pytest.approx(losses(plain_run()[0])[:4], rel=1e-3)
+    trainer.engine.close()
+
+
+def test_an_fp16_overflow_skips_the_step_and_the_scheduler_as_trainer_does(tmp_path: Any) -> None:
+    """A loss scale of 2^20 overflows: the engine skips those updates (grad_norm logged as inf, as
+    Trainer's GradScaler run logs it) and Trainer does not step the scheduler after them, so the
+    learning rates are the schedule's at the count of applied updates."""
+    from transformers import get_linear_schedule_with_warmup
+
+    args = training_args(str(tmp_path), max_steps=4, fp16=True)
+    config = {**STAGE2_CPU, "precision": {"initial_scale_power": 20, "hysteresis": 1}}
+    trainer = ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN, zero_offload_config=config)
+    trainer.train()
+    norms = logged(trainer.state.log_history, "grad_norm")
+    skipped = [n == float("inf") for n in norms]
+    assert trainer.engine.skipped_steps == sum(skipped) and 0 < sum(skipped) < 4
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
+    schedule, lrs = get_linear_schedule_with_warmup(reference, args.warmup_steps, args.max_steps), []
+    for skip in skipped:
+        lrs.append(schedule.get_last_lr()[0])
+        if not skip:
+            reference.step()
+            schedule.step()
+    assert logged(trainer.state.log_history, "learning_rate") == pytest.approx(lrs, rel=1e-12)
     trainer.engine.close()
 
 
