@@ -314,6 +314,7 @@ def _two_ranks(rank: int, world: int, out: str) -> None:
     fails)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    _refuses_a_trainer_that_sees_one_process(out)
     history, plain = _plain_ddp(out)
     for where in ("stage2-cpu", "stage3-cpu"):
         path = os.path.join(out, where)
@@ -329,6 +330,17 @@ def _two_ranks(rank: int, world: int, out: str) -> None:
         _assert_saved_model_loads_with_the_same_logits(ours, os.path.join(path, "saved"), rank)
         _assert_resumes_bit_for_bit(ours, weights, rank, where)
         ours.engine.close()
+
+
+def _refuses_a_trainer_that_sees_one_process(out: str) -> None:
+    """Without use_cpu on a machine without a GPU, accelerate's state is one process per rank (as
+    under torchrun): each rank would train on all the data and write every file. Refused; the
+    next TrainingArguments with use_cpu=True sets accelerate's state up for both ranks again."""
+    args = training_args(os.path.join(out, "one"), use_cpu=False)
+    assert args.world_size == 1 and not torch.cuda.is_available()
+    with pytest.raises(ConfigError, match=r"^the engine trains on 2 ranks \(the launcher's process group\) but "
+                                          r"TrainingArguments sees 1, so .* set TrainingArguments\(use_cpu=True\)"):
+        ZeroOffloadTrainer(model=tiny_llama(), args=args, train_dataset=TRAIN_D2, zero_offload_config=STAGE2_CPU)
 
 
 def _assert_saved_model_loads_with_the_same_logits(trainer: ZeroOffloadTrainer, directory: str, rank: int) -> None:
