@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> str:
                              warmup_steps=max(1, a.steps // 10), lr_scheduler_type="cosine", weight_decay=0.01,
                              max_grad_norm=1.0, logging_steps=max(1, a.steps // 10), save_strategy="no",
                              bf16=a.bf16, report_to=[], dataloader_num_workers=0, optim="adamw_torch", seed=0,
-                             dataloader_pin_memory=torch.cuda.is_available())
+                             dataloader_pin_memory=torch.cuda.is_available(),
+                             use_cpu=not torch.cuda.is_available())  # else torchrun's ranks are not one run
     trainer = ZeroOffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                                  zero_offload_config=zero_offload_config(model, nvme_dir, a.ds_config))
     trainer.train()

@@ -158,6 +158,15 @@ class Engine:
         """Whether the current micro-batch ends a gradient-accumulation cycle."""
         return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
+    def end_accumulation_cycle(self) -> None:
+        """Make the current micro-batch the last of its accumulation cycle (call it before that
+        micro-batch's backward): a cycle cut short, as Trainer's at an epoch's end. Its step()
+        applies the update of the partial sums so far, each micro-batch's gradient still scaled
+        by 1/gradient_accumulation_steps (scale the losses for the mean you want)."""
+        self._require_idle("end_accumulation_cycle")  # after backward the reduction chose already
+        gas = self.config.gradient_accumulation_steps
+        self.micro_step += gas - 1 - self.micro_step % gas
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._require_loaded("forward")
         if self.config.stage == 3:

@@ -130,21 +130,22 @@ class ZeroOffloadAccelerator(Accelerator):
 
     def _line_up_boundary(self, engine: Engine) -> None:
         """The Trainer ends a cycle where it says (sync_gradients): at an epoch's end after fewer
-        micro-batches than gradient_accumulation_steps. The engine's boundary is its micro-batch
-        count, moved here to this micro-batch (its partial sums are handed on at the boundary,
-        whatever their number)."""
-        gas = engine.config.gradient_accumulation_steps
+        micro-batches than gradient_accumulation_steps, where engine.end_accumulation_cycle()
+        makes this micro-batch the engine's boundary too (its partial sums are stepped, whatever
+        their number)."""
         if self.sync_gradients and not engine.is_boundary:
-            engine.micro_step += gas - 1 - engine.micro_step % gas
+            engine.end_accumulation_cycle()
         elif not self.sync_gradients and engine.is_boundary:
             raise RuntimeError(f"the Trainer accumulates more micro-batches than the engine's "
-                               f"gradient_accumulation_steps={gas}; they must be the same")
+                               f"gradient_accumulation_steps={engine.config.gradient_accumulation_steps}; "
+                               "they must be the same")
 
     def clip_grad_norm_(self, parameters: Iterator[torch.nn.Parameter], max_norm: float,  # noqa: ARG002
                         norm_type: float = 2) -> torch.Tensor | None:
-        """The global norm (before clipping) of the step the engine just applied; the engine
-        clipped it to config.clip_grad_norm = max_grad_norm. None where the engine did not need
-        it (no clipping and no fp16: the overlapped step never forms the total)."""
+        """The global norm (before clipping) of the averaged gradients of the step the engine just
+        applied; the engine clipped them to config.clip_grad_norm = max_grad_norm. Trainer asks
+        with max_norm=inf when max_grad_norm is 0: config.py then turns the overlapped step off,
+        so the engine forms the norm anyway (None only for an engine configured otherwise)."""
         if norm_type != 2:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): the engine clips by the L2 norm")
         norm = self._engine().grad_norm

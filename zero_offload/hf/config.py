@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
+import os
 import warnings
 from typing import Any, Mapping
 
 from zero_offload.config import Config, ConfigError
-from zero_offload.deepspeed_compat import _outside_us, is_deepspeed
+from zero_offload.deepspeed_compat import is_deepspeed
 
 AUTO = "auto"
 # Optimizers of TrainingArguments.optim that are the engine's AdamW (torch's semantics).
@@ -34,6 +36,14 @@ def _dtype(args: Any) -> str:
     return "fp16" if args.fp16 or getattr(args, "fp16_full_eval", False) else "fp32"
 
 
+def _max_grad_norm(args: Any) -> float:
+    """TrainingArguments.max_grad_norm; Trainer compares it with 0 at every step, so None fails there."""
+    if not isinstance(args.max_grad_norm, (int, float)) or isinstance(args.max_grad_norm, bool):
+        raise ConfigError(f"TrainingArguments.max_grad_norm = {args.max_grad_norm!r}: Trainer needs a number "
+                          "(max_grad_norm=0 for no clipping)")
+    return float(args.max_grad_norm)
+
+
 def training_values(args: Any) -> dict[str, tuple[Any, str]]:
     """Our field (dotted) -> (the TrainingArguments value, its name there)."""
     return {
@@ -43,9 +53,20 @@ def training_values(args: Any) -> dict[str, tuple[Any, str]]:
         "optimizer.weight_decay": (float(args.weight_decay), "weight_decay"),
         "optimizer.name": ("adamw", "optim"),
         "gradient_accumulation_steps": (int(args.gradient_accumulation_steps), "gradient_accumulation_steps"),
-        "clip_grad_norm": (float(args.max_grad_norm), "max_grad_norm"),
+        "clip_grad_norm": (max(0.0, _max_grad_norm(args)), "max_grad_norm"),  # Trainer: <= 0 is no clipping
         "precision.dtype": (_dtype(args), "bf16/fp16"),
     }
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, for the function that calls both, of the first frame outside the
+    zero_offload package: the warning then names the user's line (ZeroOffloadTrainer(...) or resolve)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    here = inspect.currentframe()
+    level, frame = 1, here.f_back if here is not None else None  # the caller's frame is level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _ds_values(args: Any) -> dict[str, tuple[Any, str, bool]]:
@@ -56,7 +77,7 @@ def _ds_values(args: Any) -> dict[str, tuple[Any, str, bool]]:
         "train_micro_batch_size_per_gpu": (per_device, "per_device_train_batch_size", True),
         "gradient_accumulation_steps": (gas, "gradient_accumulation_steps", True),
         "train_batch_size": (int(args.world_size) * per_device * gas, "train_batch_size (calculated)", True),
-        "gradient_clipping": (float(args.max_grad_norm), "max_grad_norm", True),
+        "gradient_clipping": (_max_grad_norm(args), "max_grad_norm", True),
         "optimizer.params.lr": (float(args.learning_rate), "learning_rate", True),
         "optimizer.params.betas": ([float(args.adam_beta1), float(args.adam_beta2)], "adam_beta1+adam_beta2", True),
         "optimizer.params.eps": (float(args.adam_epsilon), "adam_epsilon", True),
@@ -144,7 +165,8 @@ def _drop_scheduler(data: dict, args: Any) -> None:
         raise ConfigError(f"DeepSpeed key 'scheduler.type' = {kind!r}: expected one of {', '.join(_DS_SCHEDULERS)}")
     warnings.warn(f"DeepSpeed scheduler {kind} is not run: ZeroOffloadTrainer uses TrainingArguments' "
                   f"lr_scheduler_type={str(getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type))!r} "
-                  f"with warmup_steps={args.warmup_steps} on engine.optimizer", UserWarning, stacklevel=_outside_us())
+                  f"with warmup_steps={args.warmup_steps} on engine.optimizer", UserWarning,
+                  stacklevel=_user_stacklevel())
 
 
 def _from_deepspeed(data: Mapping[str, Any], args: Any, model: Any) -> Config:
@@ -209,14 +231,19 @@ def _unflat(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _with_training_values(config: Config, args: Any) -> Config:
-    """The config with TrainingArguments' training values (every conflict was refused before)."""
+    """The config with TrainingArguments' training values (every conflict was refused before).
+    Trainer logs the global gradient norm of every step, clipping or not (clip_grad_norm_ with
+    max_norm=inf when max_grad_norm is 0); the engine forms it only in the deferred step, so
+    without clipping the overlapped step is turned off (overlap_step=False): the same update,
+    the Adam pass after backward instead of beside it."""
     v = {k: value for k, (value, _) in training_values(args).items()}
     optimizer = dataclasses.replace(config.optimizer, name="adamw", lr=v["optimizer.lr"], betas=v["optimizer.betas"],
                                     eps=v["optimizer.eps"], weight_decay=v["optimizer.weight_decay"])
     precision = dataclasses.replace(config.precision, dtype=v["precision.dtype"])
     return config.replace(optimizer=optimizer, precision=precision,
                           gradient_accumulation_steps=v["gradient_accumulation_steps"],
-                          clip_grad_norm=v["clip_grad_norm"])
+                          clip_grad_norm=v["clip_grad_norm"],
+                          overlap_step=config.overlap_step and v["clip_grad_norm"] > 0)
 
 
 def _read(path: str) -> dict[str, Any]:

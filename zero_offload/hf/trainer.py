@@ -27,6 +27,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import zero_offload
+from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.engine import Engine
 from zero_offload.hf.accelerator import EngineModel, TrainerOptimizer, ZeroOffloadAccelerator
@@ -71,6 +72,15 @@ def _refuse_training_arguments(args: Any) -> None:
                           "one process per GPU (torchrun --nproc_per_node N); the engine does the data parallelism")
 
 
+def _world_mismatch(trainer: int, engine: int) -> str:
+    """Under torchrun on a machine without a GPU, accelerate runs one process per rank unless
+    use_cpu=True: every rank would then read all the data and write every file."""
+    hint = "set TrainingArguments(use_cpu=True) on a machine without a GPU" if not torch.cuda.is_available() \
+        else "start every rank with the same launcher (torchrun) before building TrainingArguments"
+    return (f"the engine trains on {engine} ranks (the launcher's process group) but TrainingArguments sees "
+            f"{trainer}, so Trainer would neither shard the data nor save from one rank: {hint}")
+
+
 def _same_device(engine: torch.device, batches: torch.device) -> bool:
     """The same kind of device and, for accelerators, the same one (the CPU is one whatever its index)."""
     return engine.type == batches.type and (engine.type == "cpu" or engine.index == batches.index)
@@ -96,6 +106,9 @@ class ZeroOffloadTrainer(Trainer):
             self.engine.close()
             raise ConfigError(f"the engine computes on {self.engine.device} but TrainingArguments puts the batches "
                               f"on {self.args.device}: leave use_cpu unset where there is a GPU")
+        if self.args.world_size != comm.world_size():
+            self.engine.close()
+            raise ConfigError(_world_mismatch(self.args.world_size, comm.world_size()))
         self.accelerator.attach(self.engine)
         self.optimizer = TrainerOptimizer(self.engine)
         self.callback_handler.optimizer = self.optimizer
