@@ -299,8 +299,9 @@ def test_resume_is_bit_exact(name: str, stage: int, tmp_path: Any) -> None:
 # ----------------------------------------------------------------------------- meta builds
 
 # Mixtral's and ViT's save_pretrained folders hold names and layouts that transformers converts
-# while loading (per-expert tensors fused into 3-D ones, renamed projections): that conversion is
-# the Hugging Face issue's (from_pretrained onto the meta device), not weights='s.
+# while loading (per-expert tensors fused into 3-D ones, renamed projections): weights= reads
+# tensors as stored, and their meta builds go through zero_offload.hf.from_pretrained
+# (tests/test_hf_load.py), which applies transformers' conversion.
 META = ["llama", "qwen3", "gpt2", "t5", "bert", "resnet"]
 
 
