@@ -106,7 +106,7 @@ def _edit_shape(ck: str) -> None:
 
 def _mixed_steps(ck: str) -> None:
     def edit(m: dict) -> None:
-        first = next(iter(m["optimizer"]["steps"]))
+        first = next(iter(m["optimizer"]["steps"]))  # one bucket or unit a step ahead of the rest
         m["optimizer"]["steps"][first] += 1
         if first in m["optimizer"].get("sub_steps", {}):
             m["optimizer"]["sub_steps"][first] += 1
@@ -272,3 +272,23 @@ def test_a_hostile_pickle_in_a_checkpoint_is_our_one_line(tmp_path: Any) -> None
         assert name in str(info.value)
         assert _differs(before, _state(engine)) is None
     engine.close()
+
+
+def test_a_whole_file_checksum_does_not_depend_on_how_its_bytes_arrive(tmp_path: Any) -> None:
+    """torch.save hands the writer records of any size, a reader reads whole blocks: both must
+    give the same value, and one flipped bit anywhere (a header byte) another."""
+    data = os.urandom(2 * checksum.FILE_CHUNK + 4321)
+    whole = checksum.FileChecksum()
+    whole.update(data)
+    pieces, at, sizes = checksum.FileChecksum(), 0, [1, 60, 4096, checksum.FILE_CHUNK + 7, 3 << 20]
+    for i in range(10 ** 6):
+        if at >= len(data):
+            break
+        n = sizes[i % len(sizes)]
+        pieces.update(memoryview(data)[at:at + n])
+        at += n
+    path = str(tmp_path / "f")
+    open(path, "wb").write(data)
+    assert whole.digest() == pieces.digest() == checksum.file_checksum(path)
+    _flip(path, 60)
+    assert checksum.file_checksum(path) != whole.digest()

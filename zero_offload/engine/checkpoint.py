@@ -2,8 +2,8 @@
 
 Layout of a checkpoint directory:
   manifest.json          world size, stage, precision, step counters, hyperparameters, loss
-                         scaler, parameter shapes, and for every tensor file its shape, dtype and
-                         CRC32 (checked on load)
+                         scaler, parameter shapes, for every tensor file its tensors' shape, dtype
+                         and CRC32, and (format 2) every tensor file's whole-file checksum and size
   rank{r}.json           rank r's shard map: for each shard key, which element ranges of which
                          parameters it holds (this is what lets a different D or bucketing load it),
                          and "lagging": the element ranges of its shards whose step count is below
@@ -25,18 +25,22 @@ Layout of a checkpoint directory:
                          LR scheduler's state_dict, a data loader's position), if anything; its
                          size and CRC32 are in the manifest
 All .pt files except client_state.pt hold plain tensors only and are read with torch.load(weights_only=True); the
-manifest also holds the CRC32 of every rank{r}.json.
+manifest also holds the CRC32 of every rank{r}.json, and each rank{r}.json the whole-file checksums
+of that rank's shard files ("checksums"), which the manifest gathers.
 
 Saving happens only at a gradient-accumulation boundary (partial gradient sums are not part of a
 checkpoint), so a load starts a fresh cycle and may change gradient_accumulation_steps.
 
-Loading checks everything it can before it changes anything: the manifest (its checksum and every
-field's kind) and shard maps, the shapes of trainable and frozen parameters, model.pt's names,
-shapes and dtypes, the RNG file, that the saved pieces cover every element, and that every shard
-file it will read is there at its saved size; every rank does, and all refuse if one does. What can
-only be found while shards are being written (a shard file whose bytes fail their checksum, an I/O
-error of the engine's own store) leaves every rank's engine refusing to train or save until a load
-succeeds (its state is partly overwritten), rather than going on with a mixture.
+Loading verifies the whole checkpoint before it changes anything: the manifest (its checksum,
+every field's kind, one step count for every shard) and shard maps, the shapes of trainable and
+frozen parameters, model.pt's names, shapes and dtypes, that the saved pieces cover every element,
+and every file (its size and whole-file checksum, or for format 1 each tensor's CRC32, and its
+tensors' shapes and dtypes): each rank the files it will read, its own rank{r}.* files and a share
+of the rest, and all refuse if one does, leaving every engine as it was. Nothing is staged: the
+apply pass reads each shard file again (checked again). What can only be found while the state is
+being written (a file changed since it was verified, an I/O error of the engine's own store)
+leaves every rank's engine refusing to train or save until a load succeeds (its state is partly
+overwritten), rather than going on with a mixture.
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
 `<path>` aside to `<path>.old`, renames the new one into place, fsyncs the parent and deletes the
@@ -522,9 +526,9 @@ class _Load:
 
 def load(engine: "Engine", path: str) -> dict[Any, Any] | None:
     """Restore `engine` from `path`, which may come from another world size or tier config.
-    Every rank checks everything before any rank changes anything, and the ranks agree on the
+    Every rank verifies everything before any rank changes anything, and the ranks agree on the
     outcome of each phase, so a checkpoint one rank refuses is refused by all (none is left
-    waiting in a collective); see the module docstring."""
+    waiting in a collective) and leaves every engine as it was; see the module docstring."""
     plan, refused = None, None
     try:
         plan = _prepare(engine, path)
@@ -655,8 +659,7 @@ def _check_frozen_home(engine: "Engine", root: str, saved_stage: int) -> None:
 
 def _check_files(root: str, manifest: dict[str, Any], names: set[str]) -> None:
     """Every shard file the load will read is there, a file, and (where the manifest records
-    sizes) of its saved size: shard files are read only once the load has begun writing, so
-    a missing or truncated one found then would leave the engine stopped."""
+    sizes) of its saved size: named plainly before the verify pass reads any of them."""
     sizes = manifest.get("sizes", {})
     for name in sorted(names):
         full = os.path.join(root, name)

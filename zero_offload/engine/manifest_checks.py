@@ -120,11 +120,11 @@ def check(manifest: Any) -> None:
 
 
 def one_step(manifest: dict[str, Any]) -> None:
-    """Every shard and sub-shard at the same step count: the optimizer state of one step of the
-    engine (parameters that missed a gradient keep their own, lower counts in the shard maps'
-    "lagging", not here). Shards saved at different steps would resume a mixture."""
-    opt = manifest["optimizer"]
-    counts = {**{k: v for k, v in opt["steps"].items()}, **{k: v for k, v in opt.get("sub_steps", {}).items()}}
+    """Every shard (bucket or unit) at the same step count: the optimizer state of one step of
+    the engine. Parameters that missed a gradient keep their own, lower counts in the shard maps'
+    "lagging", and the sub-shards of a shard theirs ("sub_steps"), neither checked here. Shards
+    saved at different steps would resume a mixture."""
+    counts = manifest["optimizer"]["steps"]
     if len(set(counts.values())) > 1:
         lo, hi = min(counts, key=counts.__getitem__), max(counts, key=counts.__getitem__)
         raise ManifestError(f"its shards are at different steps ({lo} at step {counts[lo]}, {hi} at step "
