@@ -2,8 +2,8 @@
 
 Layout of a checkpoint directory:
   manifest.json          world size, stage, precision, step counters, hyperparameters, loss
-                         scaler, parameter shapes, and for every tensor file its shape, dtype and
-                         CRC32 (checked on load)
+                         scaler, parameter shapes, for every tensor file its tensors' shape, dtype
+                         and CRC32, and (format 2) every tensor file's whole-file checksum and size
   rank{r}.json           rank r's shard map: for each shard key, which element ranges of which
                          parameters it holds (this is what lets a different D or bucketing load it),
                          and "lagging": the element ranges of its shards whose step count is below
@@ -25,18 +25,22 @@ Layout of a checkpoint directory:
                          LR scheduler's state_dict, a data loader's position), if anything; its
                          size and CRC32 are in the manifest
 All .pt files except client_state.pt hold plain tensors only and are read with torch.load(weights_only=True); the
-manifest also holds the CRC32 of every rank{r}.json.
+manifest also holds the CRC32 of every rank{r}.json, and each rank{r}.json the whole-file checksums
+of that rank's shard files ("checksums"), which the manifest gathers.
 
 Saving happens only at a gradient-accumulation boundary (partial gradient sums are not part of a
 checkpoint), so a load starts a fresh cycle and may change gradient_accumulation_steps.
 
-Loading checks everything it can before it changes anything: the manifest (its checksum and every
-field's kind) and shard maps, the shapes of trainable and frozen parameters, model.pt's names,
-shapes and dtypes, the RNG file, that the saved pieces cover every element, and that every shard
-file it will read is there at its saved size; every rank does, and all refuse if one does. What can
-only be found while shards are being written (a shard file whose bytes fail their checksum, an I/O
-error of the engine's own store) leaves every rank's engine refusing to train or save until a load
-succeeds (its state is partly overwritten), rather than going on with a mixture.
+Loading verifies the whole checkpoint before it changes anything: the manifest (its checksum,
+every field's kind, one step count for every shard) and shard maps, the shapes of trainable and
+frozen parameters, model.pt's names, shapes and dtypes, that the saved pieces cover every element,
+and every file (its size and whole-file checksum, or for format 1 each tensor's CRC32, and its
+tensors' shapes and dtypes): each rank the files it will read, its own rank{r}.* files and a share
+of the rest, and all refuse if one does, leaving every engine as it was. Nothing is staged: the
+apply pass reads each shard file again (checked again). What can only be found while the state is
+being written (a file changed since it was verified, an I/O error of the engine's own store)
+leaves every rank's engine refusing to train or save until a load succeeds (its state is partly
+overwritten), rather than going on with a mixture.
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
 `<path>` aside to `<path>.old`, renames the new one into place, fsyncs the parent and deletes the
@@ -53,23 +57,27 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import secrets
 import shutil
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
 
 from zero_offload import comm
 from zero_offload.engine import manifest_checks
 from zero_offload.engine.step import PARTS
+from zero_offload.engine.weights_files import refused_pickle
+from zero_offload.io import checksum
 
 if TYPE_CHECKING:
     from zero_offload.engine.engine import Engine
 
-FORMAT = 1
+FORMAT = 2  # 2: whole-file checksums (manifest "checksums"); 1 is still read, verified per tensor
+READABLE = (1, 2)
 MARKER = ".zero_offload_checkpoint"  # written first into every save's directory: a save's own leftovers
 CLIENT_FILE = "client_state.pt"
 PAUSE_ENV = "ZERO_OFFLOAD_TEST_SAVE_PAUSE"  # tests: seconds to sleep after the first shard file
@@ -107,16 +115,38 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: str) -> dict[str, dict[str, Any]]:
+class _Written(NamedTuple):
+    """What a load checks a written tensor file against."""
+
+    tensors: dict[str, dict[str, Any]]  # each tensor's shape, dtype and CRC32
+    checksum: int  # the whole file's (io.checksum.FileChecksum), headers included
+
+
+class _Summing:
+    """The file torch.save writes to, checksumming every byte on its way (no second read)."""
+
+    def __init__(self, f: Any, total: checksum.FileChecksum) -> None:
+        self.f, self.total = f, total
+
+    def write(self, data: Any) -> int:
+        self.total.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: str) -> _Written:
     saved = {k: _saved_form(k, v) for k, v in tensors.items()}  # described as written
+    total = checksum.FileChecksum()
     with _writing(path):
         # Through our own file object: torch's writer then fails with the OS error (ENOSPC) as
         # its context, instead of only "unexpected pos" when it writes to a path itself.
         with open(path, "wb") as f:
-            torch.save(saved, f)
+            torch.save(saved, _Summing(f, total))
             f.flush()
             os.fsync(f.fileno())
-    return {k: _describe(v) for k, v in saved.items()}
+    return _Written({k: _describe(v) for k, v in saved.items()}, total.digest())
 
 
 def _write_json(obj: Any, path: str) -> None:
@@ -255,18 +285,20 @@ def _write_rank(engine: "Engine", tmp: str, token: str) -> None:
     _check_shared(tmp, token)
     rt, opt, rank = engine.runtime, engine.runtime.shard_optimizer, comm.rank()
     files: dict[str, dict[str, Any]] = {}
+    sums: dict[str, int] = {}
     if rank == 0 or not rt.replicated:
         shard_map = rt.shard_map()
         for i, key in enumerate(shard_map):
             name = f"rank{rank}.{key}.pt"
-            files[name] = _save_tensors(opt.read_state(key), os.path.join(tmp, name))
+            files[name], sums[name] = _save_tensors(opt.read_state(key), os.path.join(tmp, name))
             if i == 0 and os.environ.get(PAUSE_ENV):
                 time.sleep(float(os.environ[PAUSE_ENV]))
         frozen_map = rt.frozen_map()
         for key in frozen_map:
             name = f"rank{rank}.{key}.pt"
-            files[name] = _save_tensors({"value": rt.read_frozen(key)}, os.path.join(tmp, name))
+            files[name], sums[name] = _save_tensors({"value": rt.read_frozen(key)}, os.path.join(tmp, name))
         _write_json({"shard_map": shard_map, "frozen_map": frozen_map, "files": files,
+                     "checksums": {"algorithm": checksum.file_algorithm(), "files": sums},
                      "lagging": opt.lagging(shard_map)}, os.path.join(tmp, f"rank{rank}.json"))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -303,7 +335,8 @@ def _check_target(path: str) -> None:
 def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) -> None:
     """Rank 0: the manifest (with every rank's checksums), then the atomic swap into `path`."""
     rt = engine.runtime
-    files = {"model.pt": _save_tensors(_non_trainable(engine), os.path.join(tmp, "model.pt"))}
+    model = _save_tensors(_non_trainable(engine), os.path.join(tmp, "model.pt"))
+    files, sums = {"model.pt": model.tensors}, {"model.pt": model.checksum}
     extra = {} if client is None else {"client_state": _write_client(client, tmp)}
     writers = [0] if rt.replicated else list(range(comm.world_size()))
     maps = {}
@@ -313,6 +346,7 @@ def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) 
             raw = f.read()
         maps[name] = zlib.crc32(raw)
         files.update(json.loads(raw)["files"])
+        sums.update(_same_algorithm(json.loads(raw)))
     for r in range(comm.world_size()):  # every rank wrote its RNG states (and with D > 1 its buffers)
         for name in (f"rank{r}.rng.pt", *([f"rank{r}.buffers.pt"] if comm.world_size() > 1 else [])):
             if not os.path.exists(os.path.join(tmp, name)):
@@ -320,6 +354,7 @@ def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) 
                                       "system shared by every rank?")
             saved = torch.load(os.path.join(tmp, name), map_location="cpu", weights_only=True)
             files[name] = {k: _describe(v) for k, v in saved.items()}
+            sums[name] = checksum.file_checksum(os.path.join(tmp, name))  # a small file, just written
     sd = rt.shard_optimizer.state_dict_scalars()
     manifest = {"format": FORMAT, "world": comm.world_size(), "stage": engine.config.stage,
                 "precision": engine.config.precision.dtype, "writers": writers,
@@ -327,6 +362,7 @@ def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) 
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
                 "maps": maps, "files": files,
+                "checksums": {"algorithm": checksum.file_algorithm(), "files": sums},
                 "sizes": {name: os.path.getsize(os.path.join(tmp, name)) for name in files}, **extra}
     _write_json(manifest, os.path.join(tmp, "manifest.json"))
     with open(os.path.join(tmp, "manifest.json"), "rb") as f, _writing(os.path.join(tmp, manifest_checks.CRC_FILE)):
@@ -339,6 +375,13 @@ def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) 
     os.rename(tmp, path)
     _fsync_file(os.path.dirname(path) or ".")
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _same_algorithm(shard_map: dict[str, Any]) -> dict[str, int]:
+    """A rank's whole-file checksums, if it computed them as rank 0 does (a rank without the
+    native library computes another kind: its files are then verified per tensor on load)."""
+    sums = shard_map.get("checksums", {})
+    return sums.get("files", {}) if sums.get("algorithm") == checksum.file_algorithm() else {}
 
 
 def _write_client(data: bytes, tmp: str) -> dict[str, int]:
@@ -363,7 +406,12 @@ def _read_client(root: str, manifest: dict[str, Any]) -> dict[Any, Any] | None:
         raise CheckpointError(f"checkpoint file {full}: {_why(exc)}") from None
     if len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]:
         raise CheckpointError(f"checkpoint file {full}: its size or checksum differs from the manifest")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"checkpoint file {full}: {refused_pickle(exc)}") from None
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {full}: {_why(exc)}") from None
 
 
 def _resolve(path: str) -> str:
@@ -392,27 +440,64 @@ def _why(exc: BaseException) -> str:
 
 
 class _Reader:
-    """Reads tensor files of one checkpoint lazily, checking each against the manifest."""
+    """Reads the tensor files of one checkpoint, each checked against the manifest whenever it is
+    read: its size, its whole-file checksum where the manifest holds one of this process's kind
+    (else, as format 1, every tensor's CRC32), and every tensor's shape and dtype. The verify
+    pass reads a file and keeps nothing; the apply pass reads it again, checked again (a file
+    that changed in between fails then)."""
 
     def __init__(self, root: str, manifest: dict[str, Any]) -> None:
         self.root, self.files, self._cache = root, manifest["files"], {}
+        self.sizes: dict[str, int] = manifest.get("sizes", {})
+        sums = manifest.get("checksums", {})
+        self.sums: dict[str, int] = sums.get("files", {}) if sums.get("algorithm") == checksum.file_algorithm() else {}
+
+    def verify(self, name: str) -> None:
+        self._read(name)
 
     def get(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self._cache:
-            full = os.path.join(self.root, name)
-            if name not in self.files:
-                raise CheckpointError(f"checkpoint file {full} is not in the manifest")
-            try:
-                data = torch.load(full, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(f"cannot read checkpoint file {full}: {_why(exc)}") from None
-            for k, meta in self.files[name].items():
-                t = data.get(k) if isinstance(data, dict) else None
-                if not isinstance(t, torch.Tensor) or _describe(t) != meta:
-                    raise CheckpointError(f"checkpoint file {full}: tensor {k!r} is missing, or its shape, dtype "
-                                          "or checksum differs from the manifest")
-            self._cache = {name: data}  # one shard file in memory at a time
+            self._cache = {}  # one shard file mapped at a time
+            self._cache[name] = self._read(name)
         return self._cache[name]
+
+    def _read(self, name: str) -> dict[str, torch.Tensor]:
+        full = os.path.join(self.root, name)
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint file {full} is not in the manifest")
+        try:
+            if name in self.sizes and os.path.getsize(full) != self.sizes[name]:
+                raise CheckpointError(f"checkpoint file {full} has {os.path.getsize(full)} bytes, the manifest says "
+                                      f"{self.sizes[name]} (truncated or replaced)")
+            if name in self.sums and checksum.file_checksum(full) != self.sums[name]:
+                raise CheckpointError(f"checkpoint file {full} fails its checksum (damaged or replaced): load "
+                                      "another checkpoint")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {full} cannot be read: {_why(exc)}") from None
+        data = _load_tensors(full)
+        for k, meta in self.files[name].items():
+            t = data.get(k) if isinstance(data, dict) else None
+            seen = None if not isinstance(t, torch.Tensor) else _describe(t) if name not in self.sums else _kind(t)
+            if seen is None or any(seen[f] != meta.get(f) for f in seen):
+                raise CheckpointError(f"checkpoint file {full}: tensor {k!r} is missing, or its shape, dtype or "
+                                      "checksum differs from the manifest")
+        return data
+
+
+def _kind(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's shape and dtype as the manifest records them (its bytes are the file checksum's)."""
+    return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+
+
+def _load_tensors(full: str) -> Any:
+    """A checkpoint's tensor file, memory-mapped (its bytes are read where they are copied) and
+    weights-only; a refused pickle is our one line, never torch's advice to disable weights_only."""
+    try:
+        return torch.load(full, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"checkpoint file {full}: {refused_pickle(exc)}") from None
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {full}: {_why(exc)}") from None
 
 
 def _check_shapes(root: str, what: str, current: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -441,9 +526,9 @@ class _Load:
 
 def load(engine: "Engine", path: str) -> dict[Any, Any] | None:
     """Restore `engine` from `path`, which may come from another world size or tier config.
-    Every rank checks everything before any rank changes anything, and the ranks agree on the
+    Every rank verifies everything before any rank changes anything, and the ranks agree on the
     outcome of each phase, so a checkpoint one rank refuses is refused by all (none is left
-    waiting in a collective); see the module docstring."""
+    waiting in a collective) and leaves every engine as it was; see the module docstring."""
     plan, refused = None, None
     try:
         plan = _prepare(engine, path)
@@ -494,11 +579,13 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     except (OSError, UnicodeDecodeError, manifest_checks.ManifestError) as exc:
         raise CheckpointError(f"checkpoint {root}: cannot read {manifest_checks.CRC_FILE}: {_why(exc)}") from None
     manifest = _read_json(os.path.join(root, "manifest.json"), crc)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE:
         raise CheckpointError(f"checkpoint {root} has format "
-                              f"{manifest.get('format') if isinstance(manifest, dict) else None}, expected {FORMAT}")
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None}, this version "
+                              f"reads {' and '.join(map(str, READABLE))}: load it with the version that saved it")
     try:
         manifest_checks.check(manifest)
+        manifest_checks.one_step(manifest)
     except manifest_checks.ManifestError as exc:
         raise CheckpointError(f"checkpoint {root}: manifest.json: {exc}") from None
     _check_frozen_home(engine, root, manifest["stage"])
@@ -517,7 +604,9 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     same_world = manifest["world"] == comm.world_size()
     shards = _plan(maps, "shard_map", rt.shard_map())
     frozen = _plan(maps, "frozen_map", rt.frozen_map()) if "frozen_shapes" in manifest else {}
-    _check_files(root, manifest, {f for copies in (*shards.values(), *frozen.values()) for f, *_ in copies})
+    read = {f for copies in (*shards.values(), *frozen.values()) for f, *_ in copies}
+    _check_files(root, manifest, read)
+    _verify(reader, manifest, read)
     module_held = dict(reader.get("model.pt"))
     own = f"rank{comm.rank()}.buffers.pt"
     if same_world and own in manifest["files"]:  # this rank's own buffers, as it left them
@@ -525,6 +614,25 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, module_held, root),
                  _rng(reader, manifest) if same_world else None, same_world, _read_client(root, manifest),
                  _lagging(root, maps))
+
+
+def _verify(reader: _Reader, manifest: dict[str, Any], read: set[str]) -> None:
+    """The verify pass, before anything changes: every file this rank will read, and its share
+    of the others (every file is verified by some rank; the ranks agree on the outcome), each
+    read whole once. The apply pass reads the shard files again: a load reads them twice
+    instead of staging the incoming state (memory or drive space the size of the checkpoint)."""
+    rank, world = comm.rank(), comm.world_size()
+    others = [n for n in sorted(manifest["files"]) if _writer(n, world) is None]
+    mine = read | {n for n in manifest["files"] if _writer(n, world) == rank} | set(others[rank::world])
+    for name in sorted(mine & set(manifest["files"])):
+        reader.verify(name)
+
+
+def _writer(name: str, world: int) -> int | None:
+    """The rank that verifies a rank's own file (`rank{r}.*`, r within this world), else None."""
+    head = name.split(".", 1)[0]
+    r = int(head[4:]) if head.startswith("rank") and head[4:].isdigit() else None
+    return r if r is not None and r < world else None
 
 
 def _own_buffers(saved: dict[str, torch.Tensor], model_pt: dict[str, torch.Tensor], full: str) -> dict[str, torch.Tensor]:
@@ -551,8 +659,7 @@ def _check_frozen_home(engine: "Engine", root: str, saved_stage: int) -> None:
 
 def _check_files(root: str, manifest: dict[str, Any], names: set[str]) -> None:
     """Every shard file the load will read is there, a file, and (where the manifest records
-    sizes) of its saved size: shard files are read only once the load has begun writing, so
-    a missing or truncated one found then would leave the engine stopped."""
+    sizes) of its saved size: named plainly before the verify pass reads any of them."""
     sizes = manifest.get("sizes", {})
     for name in sorted(names):
         full = os.path.join(root, name)
@@ -680,10 +787,7 @@ def _rng(reader: _Reader, manifest: dict[str, Any]) -> dict[str, torch.Tensor] |
     full = os.path.join(reader.root, name)
     if not os.path.exists(full):
         return None
-    try:
-        return torch.load(full, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint file {full}: {exc}") from None
+    return _load_tensors(full)
 
 
 def _trainable_names(engine: "Engine") -> set[str]:

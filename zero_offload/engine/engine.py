@@ -364,9 +364,10 @@ class Engine:
 
     def load_checkpoint(self, path: str) -> dict[Any, Any] | None:
         """Restore the training state saved at `path`; returns the client_state saved with it (None
-        if none was). If it fails once it has begun changing the engine (a shard file fails its
-        checksum), the engine refuses to train or save until a load succeeds; every other problem
-        is found before anything changes."""
+        if none was). Every file is verified (sizes and checksums, on every rank, agreed) before
+        anything changes: a refused checkpoint leaves the engine as it was, trainable. Only an I/O
+        failure once the state is being written (a file that changed since it was verified, the
+        engine's own store failing) leaves it refusing to train or save until a load succeeds."""
         from zero_offload.engine.checkpoint import load
 
         self._require_idle("load_checkpoint")

@@ -5,7 +5,9 @@ global_steps) would otherwise load silently and make the resumed run differ; and
 wrong kind would fail only once the load has begun writing, leaving the engine stopped. Both are
 found here, before anything changes. The checksum lives beside the manifest (`manifest.crc32`,
 written after it into the save's temporary directory); a checkpoint without one (saved before it
-existed) is checked field by field only.
+existed) is checked field by field only. Format 2 manifests also hold every tensor file's
+whole-file checksum ("checksums": the algorithm, io/checksum.py's file_algorithm, and a value per
+file), and a manifest whose shards record different step counts is refused (`one_step`).
 """
 from __future__ import annotations
 
@@ -111,6 +113,22 @@ def check(manifest: Any) -> None:
             raise ManifestError(f"{key} is not a table of non-negative integers")
     if "client_state" in manifest and set(manifest["client_state"]) != {"size", "crc32"}:
         raise ManifestError("client_state is not a size and a crc32")
+    if manifest.get("format", 1) >= 2 or "checksums" in manifest:  # format 2 records whole-file checksums
+        sums = manifest.get("checksums")
+        if not (isinstance(sums, dict) and isinstance(sums.get("algorithm"), str) and _counts(sums.get("files"))):
+            raise ManifestError(f"checksums is {str(sums)[:40]!r}, expected an algorithm and a checksum per file")
+
+
+def one_step(manifest: dict[str, Any]) -> None:
+    """Every shard (bucket or unit) at the same step count: the optimizer state of one step of
+    the engine. Parameters that missed a gradient keep their own, lower counts in the shard maps'
+    "lagging", and the sub-shards of a shard theirs ("sub_steps"), neither checked here. Shards
+    saved at different steps would resume a mixture."""
+    counts = manifest["optimizer"]["steps"]
+    if len(set(counts.values())) > 1:
+        lo, hi = min(counts, key=counts.__getitem__), max(counts, key=counts.__getitem__)
+        raise ManifestError(f"its shards are at different steps ({lo} at step {counts[lo]}, {hi} at step "
+                            f"{counts[hi]}): not the state of one step; load another checkpoint")
 
 
 def _fields(obj: dict, spec: dict[str, tuple[Callable[[Any], bool], str]], prefix: str, *, required: bool) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 from collections import OrderedDict
 from typing import Any, Callable, Collection, Iterator, Mapping, Protocol, Union, runtime_checkable
 
@@ -215,10 +217,27 @@ class ShardedWeights(Mapping[str, torch.Tensor]):
 # ---- one file ----
 def load_torch(path: str) -> Mapping[str, torch.Tensor]:
     """A torch state dict, memory-mapped; weights_only: nothing but tensors is unpickled."""
-    sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"weights file {path}: {refused_pickle(exc)}") from None
     if not isinstance(sd, Mapping):
         raise ValueError(f"weights file {path} holds a {type(sd).__name__}, expected a state dict")
     return sd
+
+
+def refused_pickle(exc: pickle.UnpicklingError) -> str:
+    """One line of ours for what torch's weights-only unpickler refused, without torch's text
+    (whose first line advises weights_only=False: running the file's code). Its reason names
+    the global the file asks for (a class, a function such as os.system)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    reasons = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation"))]
+    what = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if what is None and "Unsupported" not in str(exc):  # not a refusal: a damaged pickle
+        return f"not a readable torch file ({(reasons or ['damaged pickle'])[0][:200]})"
+    return (f"refused: this file needs arbitrary code to load; it names "
+            f"{what.group(1) if what else 'an object a weights-only load does not allow'}, which only an "
+            "unrestricted unpickler would run: use a file of plain tensors (a state_dict, or .safetensors)")
 
 
 def _safe_open() -> Callable[..., Any]:
