@@ -121,8 +121,8 @@ def _interrupt_main_thread_during(monkeypatch: pytest.MonkeyPatch, eng: Any, whi
     return cond
 
 
-@pytest.mark.parametrize("extra", [{}, {"clip_grad_norm": 1.0}], ids=["overlapped", "deferred"])
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage,extra", [(0, {}), (2, {}), (3, {}), (2, {"clip_grad_norm": 1.0})],
+                         ids=["stage0", "stage2", "stage3", "stage2-deferred"])
 def test_ctrl_c_while_step_waits_finishes_the_step_on_every_shard(stage: int, extra: dict, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The interrupt reaches the user, after the step has run on the shards that remained: every
