@@ -80,15 +80,19 @@ class _InterruptedWait(threading.Condition):
     """The step pipeline's lock: the main thread's first wait once `when()` holds raises
     KeyboardInterrupt, as Ctrl-C does to a thread blocked in engine.step()."""
 
-    def __init__(self, when: Callable[[], bool]) -> None:
+    def __init__(self, when: Callable[[], bool], times: int = 1) -> None:
         super().__init__()
-        self.when, self.fired = when, False
+        self.when, self.times, self.count = when, times, 0
+
+    @property
+    def fired(self) -> bool:
+        return self.count == self.times
 
     def wait(self, timeout: float | None = None) -> bool:
         if self.fired or threading.current_thread() is not threading.main_thread():
             return super().wait(timeout)
         if self.when():
-            self.fired = True
+            self.count += 1
             raise KeyboardInterrupt
         return super().wait(0.002)  # not yet: look again soon (callers wait in a loop)
 
@@ -105,11 +109,12 @@ def _kernel_call(monkeypatch: pytest.MonkeyPatch, which: int, action: Callable[[
     monkeypatch.setattr(step_mod.HostAdam, "__call__", kernel)
 
 
-def _interrupt_main_thread_during(monkeypatch: pytest.MonkeyPatch, eng: Any, which: int) -> _InterruptedWait:
-    """Ctrl-C reaches the main thread (waiting in step()) while the worker is inside the kernel
-    of the `which`-th shard, which goes on only once the interrupt has landed."""
+def _interrupt_main_thread_during(monkeypatch: pytest.MonkeyPatch, eng: Any, which: int,
+                                  times: int = 1) -> _InterruptedWait:
+    """Ctrl-C reaches the main thread (waiting in step()) `times` times while the worker is inside
+    the kernel of the `which`-th shard, which goes on only once the interrupts have landed."""
     entered = threading.Event()
-    cond = _InterruptedWait(entered.is_set)
+    cond = _InterruptedWait(entered.is_set, times)
 
     def inside() -> None:
         entered.set()
@@ -142,6 +147,22 @@ def test_ctrl_c_while_step_waits_finishes_the_step_on_every_shard(stage: int, ex
     assert set(_manifest_steps(tmp_path / "ck").values()) == {2}
     _step(eng, 3)
     _assert_same(_weights(eng), _reference(tmp_path / "ref", stage, 3, **extra))
+    eng.close()
+
+
+def test_a_second_ctrl_c_while_the_step_is_finished_stops_the_engine(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C twice: the second stops the worker, so the shards after the middle one keep the old
+    step while the first ones took the new one; the engine stops instead of going on from that."""
+    eng = _engine(tmp_path / "run", 2)
+    _step(eng, 1)
+    eng.save_checkpoint(str(tmp_path / "ck1"))
+    cond = _interrupt_main_thread_during(monkeypatch, eng, MIDDLE, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        _step(eng, 2)
+    monkeypatch.undo()
+    assert cond.fired
+    _refuses_until_a_load(eng, tmp_path, 2, "KeyboardInterrupt")
     eng.close()
 
 
