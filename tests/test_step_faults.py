@@ -290,3 +290,34 @@ def test_save_refuses_shards_that_stand_at_different_steps(tmp_path: Path) -> No
     assert "load a checkpoint" in message
     assert not os.path.exists(tmp_path / "ck") and not os.path.exists(tmp_path / "ck.tmp")
     eng.close()
+
+
+def _ctrl_c_on_rank_zero(rank: int, world: int, tmp: str) -> None:
+    from zero_offload import comm
+
+    patch = pytest.MonkeyPatch()
+    eng = _engine(Path(tmp) / f"rank{rank}", 2)
+    _step(eng, 1)
+    if rank == 0:
+        cond = _interrupt_main_thread_during(patch, eng, MIDDLE)
+        with pytest.raises(KeyboardInterrupt):
+            _step(eng, 2)
+        patch.undo()
+        assert cond.fired
+    else:
+        _step(eng, 2)
+    so = eng.runtime.shard_optimizer
+    assert eng.stopped is None and set(so.steps.values()) == {2}, (eng.stopped, so.steps)
+    _step(eng, 3)  # every rank goes on together, from one model
+    sums = comm.gather_objects(float(sum(p.detach().double().sum() for p in eng.module.parameters())))
+    assert sums[0] == sums[-1], sums
+    eng.close()
+
+
+def test_ctrl_c_on_one_rank_finishes_the_step_there_and_every_rank_goes_on(tmp_path: Path) -> None:
+    """Stage 2, D = 2, Ctrl-C on rank 0 only while its step waits: rank 0 finishes the step (and
+    takes part in its all-gathers) before the interrupt reaches the user, so the ranks' compute
+    copies stay one model (it used to skip rank 0's last shards and stop the engine there)."""
+    from _dist import run_ranks
+
+    run_ranks(_ctrl_c_on_rank_zero, 2, timeout=90, tmp=str(tmp_path))
