@@ -294,7 +294,8 @@ class Engine:
                                                                   sorted(so.sub_steps.items()))):
                 self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"
             elif so.steps_apart is not None:
-                self.stopped = (f"a step failed or was interrupted part way ({type(exc).__name__}: {exc}) and left "
+                why = (str(exc).strip().splitlines() or [""])[0]  # the refusals that quote it stay one line
+                self.stopped = (f"a step failed or was interrupted part way ({type(exc).__name__}: {why}) and left "
                                 f"the optimizer shards at different steps ({so.steps_apart})")
             raise
 
