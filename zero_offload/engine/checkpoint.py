@@ -203,8 +203,8 @@ def save(engine: "Engine", path: str, client_state: dict[Any, Any] | None = None
     path = _checked_path(path)
     tmp, rank = path + ".tmp", comm.rank()
     client: list[bytes | None] = [None]
-    _agree(_attempt(_check_target, path) or (_attempt(_serialize_client, client_state, client) if rank == 0 else None),
-           "will not save there")
+    _agree(_attempt(_check_steps, engine) or _attempt(_check_target, path)
+           or (_attempt(_serialize_client, client_state, client) if rank == 0 else None), "will not save there")
     try:
         token = secrets.token_hex(8) if rank == 0 else None
         _agree(_attempt(_make_tmp, tmp, token) if rank == 0 else None, "could not start the checkpoint")
@@ -218,6 +218,22 @@ def save(engine: "Engine", path: str, client_state: dict[Any, Any] | None = None
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_steps(engine: "Engine") -> None:
+    """Every shard of this rank must stand at the engine's step (its steps less the skipped
+    ones): a checkpoint mixing shards of two steps would resume with some weights and Adam's
+    bias correction a step apart. Checked by every rank before anything is written."""
+    so = engine.runtime.shard_optimizer
+    want = engine.global_steps - so.skipped_steps
+    apart = so.mixed_steps()
+    if apart is None:
+        off = sorted({n for n in so.sub_steps.values() if n != want})
+        if not off:
+            return
+        apart = f"every shard at step {off[0]}"
+    raise CheckpointError(f"save_checkpoint: the optimizer shards do not all stand at the engine's step {want} "
+                          f"({apart}): a step failed or was interrupted part way; load a checkpoint to go on")
 
 
 def _serialize_client(state: Any, out: list[bytes | None]) -> None:

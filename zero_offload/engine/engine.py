@@ -262,7 +262,9 @@ class Engine:
         return self.runtime.replicated and comm.world_size() > 1
 
     def step(self) -> bool:
-        """At the accumulation boundary apply the update (False if skipped for overflow); clears grads."""
+        """At the accumulation boundary apply the update (False if skipped for overflow); clears grads.
+        A Ctrl-C while the step waits for its shards is raised once the step is complete on every
+        shard (and counted), so that the engine is left at one step, ready to save or go on."""
         self._require_loaded("step")
         self.phase.start_step()
         applied = False
@@ -274,13 +276,18 @@ class Engine:
             self.micro_step += 1
         finally:
             self.phase.finish_step()
+            interrupt = self.runtime.shard_optimizer.take_interrupt()
+            if interrupt is not None:  # the user pressed Ctrl-C: it reaches them (after any error, as its context)
+                raise interrupt
         return applied
 
     def _runtime_step(self) -> bool:
         """The runtime's step. A failed step keeps what it stepped (see finish_step), and every
         rank raises. With accumulation it has used up the cycle's partial sums (a retry would
         step one micro-batch at 1/gas scale); at stage 0 with D > 1, if the ranks' shards now
-        stand at different steps, the replicas differ for good. Either way the engine stops
+        stand at different steps, the replicas differ for good; and at every stage, shards that
+        stand at different steps (some took the step, some did not: Adam's bias correction and
+        the weights mix two steps) cannot be trained on or saved. Each way the engine stops
         until a checkpoint load rewrites the state."""
         try:
             return self.runtime.step()
@@ -299,6 +306,10 @@ class Engine:
             elif self._replicated_ranks() and not comm.all_agree((sorted(so.steps.items()),
                                                                   sorted(so.sub_steps.items()))):
                 self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"
+            elif so.steps_apart is not None:
+                why = (str(exc).strip().splitlines() or [""])[0]  # the refusals that quote it stay one line
+                self.stopped = (f"a step failed or was interrupted part way ({type(exc).__name__}: {why}) and left "
+                                f"the optimizer shards at different steps ({so.steps_apart})")
             raise
 
     @property

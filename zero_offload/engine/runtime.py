@@ -162,7 +162,7 @@ class BucketRuntime:
         """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
         try:
             try:
-                applied = self.shard_optimizer.finish_step()
+                applied = self.shard_optimizer.finish_step(defer_interrupt=True)
             except Exception:  # agreed on every rank (an interrupt is not: it leaves at once)
                 self._install_partial_step()
                 raise

@@ -157,6 +157,8 @@ class ShardOptimizer:
         self.eager = not holds
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.steps_apart: str | None = None  # after a failed step: how its shards stand apart (finish_step)
+        self._interrupt: BaseException | None = None  # a Ctrl-C held for the runtime (finish_step)
 
     # ---- registration ----
     def add_shard(self, key: str, master: torch.Tensor) -> None:
@@ -234,27 +236,61 @@ class ShardOptimizer:
             self.grad_store.write(key, grad).wait()
         self._held.add(key)
 
-    def finish_step(self) -> bool:
+    def finish_step(self, *, defer_interrupt: bool = False) -> bool:
         """Complete the step of every shard that got a gradient; False if it was skipped (overflow).
 
         A step that fails on any rank fails on every rank (after the local work is finished or
         abandoned): a rank that went on alone would wait for ever in the collectives that follow
         (the all-gathers of the updated shards, the next forward's), or at stage 0 train on
-        while its replica differs. An interrupt is not agreed on: it leaves at once."""
+        while its replica differs. An interrupt is not agreed on: it leaves at once.
+
+        A Ctrl-C while the step waits for its shards is held until every shard is stepped (their
+        gradients are all there), then raised, or with `defer_interrupt` kept for take_interrupt()
+        so that the runtime finishes its own part of the step first. After a step that failed or
+        was interrupted part way, `steps_apart` says which shards stand at which step (agreed
+        by every rank when the failure is), or is None when they all stand at one."""
         error: Exception | None = None
         applied = True
+        self.steps_apart = None
         try:  # a failed step must not leave this step's arrivals behind for the next one
             applied = self.eager or self._submit_held()
             if applied:
-                self.pipeline.drain(self._completed)
+                self.pipeline.drain(self._completed, defer_interrupt=True)
         except Exception as exc:
             error = exc
+        except BaseException as exc:  # an interrupt outside drain's waits, or a second one
+            self.pipeline.settle(self._completed, exc)
+            self.steps_apart = self.mixed_steps()
+            raise
         finally:
             self._end_step()
-        self._agree(error, self.pipeline.failed_hand_over)
+        try:
+            self._agree(error, self.pipeline.failed_hand_over)
+        finally:  # an error is agreed on (and a runtime's collectives after it run) before the Ctrl-C
+            self._interrupt = self.pipeline.take_interrupt()
         if applied:
             self.optimizer.record_step()
+        if self._interrupt is not None and not defer_interrupt:
+            raise self.take_interrupt()  # type: ignore[misc]
         return applied
+
+    def take_interrupt(self) -> BaseException | None:
+        """The Ctrl-C that finish_step(defer_interrupt=True) held back, once (None if none came)."""
+        exc, self._interrupt = self._interrupt, None
+        return exc
+
+    def mixed_steps(self) -> str | None:
+        """One line naming the shards at each step, when this rank's do not all stand at one
+        (or a job was interrupted inside its update, stepped or not); None when they do."""
+        unsure = self.pipeline.unsure
+        if unsure is not None:
+            return f"shard {unsure} was interrupted inside its update: its state may have moved on, its step count did not"
+        by: dict[int, list[str]] = {}
+        for key, n in self.sub_steps.items():
+            by.setdefault(n, []).append(key)
+        if len(by) <= 1:
+            return None
+        return ", ".join(f"{_listed(keys)} at step {n}" for n, keys in sorted(by.items(), reverse=True))
 
     def abandon_step(self) -> None:
         """After a backward that failed part way: the shards the worker was given are finished
@@ -265,15 +301,18 @@ class ShardOptimizer:
         finally:
             self._end_step()
 
-    @staticmethod
-    def _agree(error: Exception | None, lagging: str | None) -> None:
+    def _agree(self, error: Exception | None, lagging: str | None) -> None:
         """Raise this rank's error, or another rank's, on every rank; a HandOverFailed on every
-        rank when a hand-over failed on any (`lagging`: the shard whose hand-over failed here)."""
+        rank when a hand-over failed on any (`lagging`: the shard whose hand-over failed here).
+        Every rank then also knows whether the shards, over all ranks, stand at one step."""
         failed = comm.first_failure(None if error is None else (error.__cause__ or error))
         if failed is None:
             return
         text = str(error) if error is not None else f"the optimizer step failed on rank {failed[0]}: {failed[1]}"
-        lag = next(((r, k) for r, k in enumerate(comm.gather_objects(lagging)) if k is not None), None)
+        counts = set(self.sub_steps.values())
+        seen = comm.gather_objects((lagging, self.mixed_steps(), min(counts, default=0), max(counts, default=0)))
+        self.steps_apart = _apart(seen)
+        lag = next(((r, k) for r, (k, *_) in enumerate(seen) if k is not None), None)
         if lag is not None:  # reached by every rank: each knows that some rank failed
             raise HandOverFailed(f"{text} (while handing over shard {lag[1]} on rank {lag[0]})") from error
         if error is not None:
@@ -475,6 +514,8 @@ class ShardOptimizer:
             state = torch.cat([v[p.lo:p.hi].to("cpu", torch.float32) for v in values])
             self.store.write(p.key, state).wait()
             self.access.rewritten(p.key)
+            if self.pipeline.unsure == p.key:  # its state is known again
+                self.pipeline.unsure = None
 
     def state_dict(self) -> dict:
         return {**self.state_dict_scalars(), "lagging": self.lagging(),
@@ -585,6 +626,25 @@ class ShardOptimizer:
                 self.store.close()
             finally:
                 self.grad_store.close()
+
+
+def _listed(keys: list[str]) -> str:
+    """A few keys and how many more: a line, not a list of thousands of shards."""
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return ", ".join(keys[:3]) + more
+
+
+def _apart(seen: list[tuple[str | None, str | None, int, int]]) -> str | None:
+    """From every rank's (failed hand-over, mixed_steps(), least and most step count): a line
+    saying how the shards of all ranks stand apart, or None when they stand at one step."""
+    for rank, (_, mixed, _, _) in enumerate(seen):
+        if mixed is not None:
+            return mixed if len(seen) == 1 else f"on rank {rank}, {mixed}"
+    low, high = min(s[2] for s in seen), max(s[3] for s in seen)
+    if low == high:
+        return None
+    at = {r: s[2] for r, s in enumerate(seen)}
+    return ", ".join(f"rank {r}'s shards at step {n}" for r, n in at.items())
 
 
 def _shared(grad: torch.Tensor | Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

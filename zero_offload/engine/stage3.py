@@ -624,7 +624,7 @@ class Stage3Runtime:
 
     def step(self) -> bool:
         with tracer().span("optimizer step", "optimizer"):
-            applied = self.shard_optimizer.finish_step()
+            applied = self.shard_optimizer.finish_step(defer_interrupt=True)
         if applied:
             self._regather_resident()
         self.prefetcher.warm_start()

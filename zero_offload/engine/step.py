@@ -272,6 +272,13 @@ class StepPipeline:
         # The first job of the last drain whose hand-over failed or was interrupted: its state
         # moved on, but its step count or compute copy may not have followed.
         self.failed_hand_over: str | None = None
+        # A job that an interrupt (not an error) left inside its pass: its state may or may not
+        # have moved on, and its count did not. Kept until its state is rewritten (a load).
+        self.unsure: str | None = None
+        # The first Ctrl-C that came while drain() waited, held until the step is finished (see
+        # _take_done); drain(defer_interrupt=True) leaves it here for take_interrupt().
+        self._interrupt: BaseException | None = None
+        self._failure: BaseException | None = None  # the first failure of the drain in progress
         self._worker: threading.Thread | None = None
         if kernel.host:
             self._worker = threading.Thread(target=self._loop, name="zero-offload-step", daemon=True)
@@ -281,7 +288,7 @@ class StepPipeline:
         """Step `job` (on the worker for a host kernel). Called from one thread at a time: the
         one running backward."""
         if self._worker is None:
-            self._run(job)
+            self._run_noting(job)
         else:
             self._submitted += 1
             self._queue.put(job)
@@ -307,24 +314,50 @@ class StepPipeline:
         self._wait_idle()
         self.access.flush(after_error=overwriting)
 
-    def drain(self, each: Callable[[Job], None] | None = None) -> list[Job]:
+    def drain(self, each: Callable[[Job], None] | None = None, *, defer_interrupt: bool = False) -> list[Job]:
         """Wait for every submitted job; return them in completion order (and forget them).
         `each(job)`, if given, runs on this thread as soon as each job is done, while the worker
         steps the rest: a step() after backward installs the shards stepped during backward
         while the worker finishes the last ones. Write-backs may still be in flight
-        (StateAccess waits for them before any reuse)."""
+        (StateAccess waits for them before any reuse). A Ctrl-C while waiting lets every job
+        finish first (_take_done); it is raised then, or with `defer_interrupt` kept for
+        take_interrupt(), so that the caller finishes its own part of the step before it."""
         try:
             self._take_done(each)
         finally:  # `each` may raise: the jobs still in flight finish before anything is forgotten
             self._wait_idle()
             done, self.done = self.done, []
+            if each is not None and self._handed < len(done):  # stepped, never handed (an interrupt above)
+                self.failed_hand_over = self.failed_hand_over or done[self._handed].key
             err, self._error = self._error, None
             if err is not None:  # reported even when `each` raised too (that error is its context)
                 self.access.flush(after_error=True)
                 if not isinstance(err, Exception):
+                    self._interrupt = None  # a second interrupt: it is `err`
                     raise err  # an interrupt stays an interrupt
-                raise RuntimeError(f"the optimizer step failed: {err}") from err
+                failed = RuntimeError(f"the optimizer step failed: {err}")
+                if self._interrupt is not None and not defer_interrupt:  # the Ctrl-C still reaches the user
+                    raise self.take_interrupt() from failed  # type: ignore[misc]
+                raise failed from err  # (a deferred Ctrl-C stays held: the failure is agreed first)
+        if self._interrupt is not None and not defer_interrupt:
+            raise self.take_interrupt()  # type: ignore[misc]
         return done
+
+    def take_interrupt(self) -> BaseException | None:
+        """The Ctrl-C a finished drain held back, once (None if there was none)."""
+        exc, self._interrupt = self._interrupt, None
+        return exc
+
+    def settle(self, each: Callable[[Job], None] | None, exc: BaseException) -> None:
+        """After `exc` interrupted the step outside drain (while jobs were being submitted): the
+        worker skips what it has not begun, and every job it did step is handed to `each`."""
+        before = self.failed_hand_over  # of the drain `exc` interrupted, if it was one
+        self._stop(exc)
+        try:
+            self.drain(each)
+        except BaseException:  # noqa: BLE001 -- `exc` itself, or what it left behind: `exc` is raised
+            pass
+        self.failed_hand_over = before or self.failed_hand_over
 
     def _take_done(self, each: Callable[[Job], None] | None) -> None:
         """Hand each finished job to `each` as it finishes, until every submitted one has or one
@@ -332,29 +365,41 @@ class StepPipeline:
         timing: the worker steps in order and skips the jobs after a failed one. When `each`
         itself fails, the worker is stopped the same way (the jobs not yet begun keep their
         state and step count), every job it did step is still handed over (their state has
-        moved on: their step counts must follow), and the first error is raised. An interrupt
-        (Ctrl-C) while waiting is handled alike: the worker finishes the job it is stepping and
-        skips the rest, every job it stepped is handed over, then the interrupt is raised; the
-        state stays consistent and training may go on."""
-        self._handed, failure, self.failed_hand_over = 0, None, None
-        try:
-            while True:
-                with self._idle:
-                    while (self._handed == len(self.done) and self._finished < self._submitted
-                           and self._error is None):
-                        self._idle.wait()
-                    end = len(self.done)
-                    last = self._finished >= self._submitted or self._error is not None
-                failure = self._hand_over(end, each, failure)
-                if last:
-                    break
-        except BaseException as exc:  # an interrupt (Ctrl-C) while waiting: `each`'s own are caught
-            failure = failure or exc
-            self._stop(exc)
+        moved on: their step counts must follow), and the first error is raised.
+
+        An interrupt (Ctrl-C) while waiting does not stop the worker: the shards still queued have
+        their gradients, so the step is finished on every one of them and handed over, and the
+        interrupt is held for drain() to raise once it is, so that every shard ends the step at
+        the same count. A second interrupt stops the worker as a failure does."""
+        self._handed, self.failed_hand_over, self._interrupt, self._failure = 0, None, None, None
+        while True:
+            try:
+                self._take_all(each)
+                break
+            except BaseException as exc:  # an interrupt while waiting: `each`'s own are caught
+                if self._interrupt is None and self._failure is None:
+                    self._interrupt = exc  # the first: finish the step, then raise it
+                    continue
+                self._failure = self._failure or exc
+                self._stop(exc)
+                break
         self._wait_idle()  # the job in flight when `each` failed or the wait was interrupted
-        failure = self._hand_over(len(self.done), each, failure)
-        if failure is not None:
-            raise failure
+        self._failure = self._hand_over(len(self.done), each, self._failure)
+        if self._failure is not None:
+            raise self._failure
+
+    def _take_all(self, each: Callable[[Job], None] | None) -> None:
+        """Hand jobs to `each` as they finish, until every submitted one has or one failed."""
+        while True:
+            with self._idle:
+                while (self._handed == len(self.done) and self._finished < self._submitted
+                       and self._error is None):
+                    self._idle.wait()
+                end = len(self.done)
+                last = self._finished >= self._submitted or self._error is not None
+            self._failure = self._hand_over(end, each, self._failure)
+            if last:
+                return
 
     def _stop(self, exc: BaseException) -> None:
         """The worker skips every job it has not begun (they keep their state and step count)."""
@@ -397,6 +442,8 @@ class StepPipeline:
                     self._run(job)
             except BaseException as exc:  # surfaced by drain() on the caller's thread
                 with self._idle:
+                    if not isinstance(exc, Exception):
+                        self.unsure = self.unsure or job.key
                     self._error = self._error or exc  # the first error (a hand-over may have failed first)
             finally:
                 with self._idle:
@@ -409,6 +456,15 @@ class StepPipeline:
             self.kernel.segments(*tensors, job.segments(), out)
         else:
             self.kernel(*tensors, job.scalars, out)
+
+    def _run_noting(self, job: Job) -> None:
+        """`_run` inline; an interrupt inside it leaves the job unsure (see `unsure`)."""
+        try:
+            self._run(job)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.unsure = self.unsure or job.key
+            raise
 
     def _run(self, job: Job) -> None:
         (master, m, v), staged = self.access.acquire(job.key, job.numel)
