@@ -124,9 +124,11 @@ def test_a_failed_backward_with_a_deferred_step_is_as_if_it_never_ran(stage: int
 def test_a_failed_backward_with_an_overlapped_step_keeps_only_what_it_stepped(stage: int, tmp_path: object) -> None:
     """Without clipping, the gradients computed before the failure were stepped at once (their
     shards move on, as after a failed step); the layer it never reached is left as it was,
-    where it used to take a step of momentum and weight decay from a zero gradient."""
+    where it used to take a step of momentum and weight decay from a zero gradient. The shards
+    then stand at two steps, so the engine stops until a load (it used to train on from the mix)."""
     engine = _engine(stage, str(tmp_path))
     _train(engine, range(2))
+    engine.save_checkpoint(os.path.join(str(tmp_path), "ckpt"))
     before = _weights(engine)
     engine.module.b.fail_backward = True
     with pytest.raises(RuntimeError, match="simulated backward failure"):
@@ -135,6 +137,9 @@ def test_a_failed_backward_with_an_overlapped_step_keeps_only_what_it_stepped(st
     assert torch.equal(after["a.fc.weight"], before["a.fc.weight"]) and torch.equal(after["a.fc.bias"], before["a.fc.bias"])
     assert not torch.equal(after["c.fc.weight"], before["c.fc.weight"])  # stepped before the failure
     engine.module.b.fail_backward = False
+    with pytest.raises(EngineStateError, match="after the overlapped step had updated some shards .* at step 3"):
+        engine(_batch(2))
+    engine.load_checkpoint(os.path.join(str(tmp_path), "ckpt"))
     _train(engine, range(2, 4))
     assert all(torch.isfinite(v).all() for v in _weights(engine).values())
     engine.close()
@@ -274,8 +279,9 @@ def test_stage3_cleanup_after_a_failed_backward_survives_a_failed_read_ahead(tmp
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Letting go of a unit whose read ahead failed re-raised that error before the pass was
     reset: the runtime stayed in backward, and the next training step failed with a misleading
-    'needed for backward again' error (a review of the fix)."""
-    engine = _engine(3, str(tmp_path))
+    'needed for backward again' error (a review of the fix). overlap_step=False, so the failed
+    backward stepped no shard (an overlapped one stops the engine: shards at two steps)."""
+    engine = _engine(3, str(tmp_path), overlap_step=False)
     _train(engine, range(3))
     _backward_failing_beside_a_failed_read_ahead(engine, engine.module.b, 3, monkeypatch)
     assert engine.runtime.phase.value == "idle" and not engine.runtime.shard_optimizer._arrived

@@ -239,6 +239,10 @@ class Engine:
             elif self.runtime.shard_optimizer.pipeline.failed_hand_over:  # as after a step (_runtime_step)
                 self.stopped = (f"a backward failed ({type(exc).__name__}: {exc}) and a stepped shard's hand-over "
                                 "failed after it; its compute copy or step count may lag its master shard")
+            elif (mixed := self.runtime.shard_optimizer.mixed_steps()) is not None:
+                self.stopped = (f"a backward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
+                                f"after the overlapped step had updated some shards ({mixed}); "
+                                "overlap_step=False keeps a failed backward from stepping anything")
 
     def _hyperparameters(self) -> list[tuple] | None:
         """The param_groups' hyperparameters as the overlapped step reads them: during backward,
