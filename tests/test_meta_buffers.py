@@ -241,3 +241,13 @@ def test_a_buffer_shared_by_two_modules_stays_one_tensor() -> None:
     assert torch.equal(model.rope.inv_freq, Rope(4).inv_freq)
     assert model.a.shared is model.rope.inv_freq
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_meta_buffer_below_stage_3_is_our_one_line_error(stage: int) -> None:
+    """Real parameters and a buffer left on the meta device: below stage 3 the model is moved
+    whole, and torch's "Cannot copy out of meta tensor" came out of model.to()."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].register_buffer("extra", torch.empty(3, device="meta"))
+    with pytest.raises(zero_offload.ConfigError, match=r"^initialize: buffer '1.extra' is on the meta device .*use stage 3"):
+        zero_offload.initialize(model, {"stage": stage})

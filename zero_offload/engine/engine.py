@@ -127,6 +127,10 @@ class Engine:
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("initialize: the model has parameters on the meta device; build it for real "
                               "or use stage 3 with init_fn= or weights=")
+        meta = next((n for n, b in model.named_buffers() if b.is_meta), None)
+        if meta is not None:
+            raise ConfigError(f"initialize: buffer '{meta}' is on the meta device (it has no value); build the "
+                              "module that registers it for real, or use stage 3, which computes such buffers")
         from zero_offload.engine.runtime import BucketRuntime
 
         self.module = model.to(self.device, self.dtype)

@@ -3,8 +3,8 @@
 A model may be built normally (its parameters hold the weights), or on the meta device (nothing
 allocated). For a meta model the weights come from files (`weights=`: a .safetensors file, a torch
 state dict, a Hugging Face index of shards or a folder holding one, all memory-mapped and read
-lazily: weights_files.py), or from an init function called on each module (default: its
-`reset_parameters()`), in module order.
+lazily, or a WeightSource producing each tensor on request: weights_files.py), or from an init
+function called on each module (default: its `reset_parameters()`), in module order.
 
 Meta parameters cannot take real data in place (torch refuses `.data =` across the meta device),
 so they are replaced by new nn.Parameter objects, once, in every module that registers them:
@@ -31,7 +31,8 @@ from torch import nn
 
 from zero_offload.engine.meta_buffers import MetaBuffers
 # The weight files' readers live in weights_files.py; their names stay importable from here.
-from zero_offload.engine.weights_files import load_safetensors, open_weights, save_safetensors  # noqa: F401
+from zero_offload.engine.weights_files import (Weights, load_safetensors, open_source,  # noqa: F401
+                                                 open_weights, save_safetensors)
 
 InitFn = Callable[[nn.Module], None]
 

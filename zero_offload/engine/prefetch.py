@@ -21,7 +21,7 @@ budget is never exceeded, not even briefly.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -127,12 +127,23 @@ class Schedule:
             self.trusted = False
         return self.trusted
 
-    def upcoming(self, depth: int) -> list[int]:
-        """The next `depth` recorded uses after the current position (empty when not trusted)."""
+    def upcoming(self, depth: int, gathered: Callable[[int], bool] = lambda index: False) -> list[int]:
+        """The recorded uses after the current position, up to the one that brings the count of
+        distinct units still to fetch to `depth` (empty when not trusted). Units `gathered` now
+        cost nothing to keep, so they do not use up the window: without that, a unit held
+        across the forward (a tied embedding read by the head) hides the last block, which is
+        then released at the end of forward and fetched again first thing in backward."""
         if not self.trusted:
             return []
-        pos = len(self.current)
-        return self.recorded[pos:pos + depth]
+        out: list[int] = []
+        to_fetch: set[int] = set()
+        for index in self.recorded[len(self.current):]:
+            if len(to_fetch) >= depth:
+                break
+            out.append(index)
+            if not gathered(index):
+                to_fetch.add(index)
+        return out
 
     def end_pass(self, found: object = ()) -> None:
         """All ranks must have used the same units in the same order (and found the same
@@ -164,6 +175,7 @@ class Prefetcher:
         self.siblings = dict(siblings or {})  # unit_policy.Plan.siblings, for check_same_unit's message
         self.prefetched: list[Unit] = []
         self.on_demand = 0  # fetches the step waited for in full (statistics)
+        self.fetches = [0] * len(self.units)  # every fetch, on demand or ahead, per unit (statistics)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-prefetch")
 
     def begin_pass(self) -> None:
@@ -186,7 +198,7 @@ class Prefetcher:
 
     def release(self, unit: Unit) -> None:
         """Done with `unit` for now; it stays gathered if the record says it is used again next."""
-        if unit.index in self.schedule.upcoming(self.depth):
+        if unit.index in self.schedule.upcoming(self.depth, lambda i: i != unit.index and self._held(i)):
             self.prefetched.insert(0, unit)
             return
         unit.release()
@@ -218,6 +230,12 @@ class Prefetcher:
         self.schedule.begin_pass()
         self._prefetch_ahead()
 
+    def _held(self, index: int) -> bool:
+        """Whether a unit is gathered for a use in progress, so keeping it costs no fetch. Units
+        fetched ahead or kept (`prefetched`) still count: `depth` bounds how many of those there are."""
+        u = self.units[index]
+        return u.resident or (u.state is UnitState.GATHERED and u not in self.prefetched)
+
     def _fetch_now(self, unit: Unit) -> None:
         for victim in reversed(list(self.prefetched)):  # the furthest-ahead prefetch goes first
             if self.budget.fits(unit.nbytes):
@@ -231,17 +249,19 @@ class Prefetcher:
                 f"{[u.name for u in held]}; raise the budget or use smaller units")
         self.budget.take(unit.nbytes)
         self.on_demand += 1
+        self.fetches[unit.index] += 1
         unit.begin_fetch()
         unit.fetch_local()
 
     def _prefetch_ahead(self) -> None:
-        for index in self.schedule.upcoming(self.depth):
+        for index in self.schedule.upcoming(self.depth, self._held):
             u = self.units[index]
             if u.resident or u.state is not UnitState.SHARDED:
                 continue
             if not self.budget.fits(u.nbytes):
                 break  # nearest first: never skip ahead past a unit that does not fit yet
             self.budget.take(u.nbytes)
+            self.fetches[u.index] += 1
             u.begin_fetch()
             u.set_pending(self._pool.submit(u.fetch_local).result)
             self.prefetched.append(u)

@@ -85,7 +85,7 @@ class Stage3Runtime:
     replicated = False
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, *,
-                 init_fn: materialize.InitFn | None = None, weights: str | None = None) -> None:
+                 init_fn: materialize.InitFn | None = None, weights: materialize.Weights = None) -> None:
         self.model, self.config, self.device = model, config, torch.device(device)
         self.world, self.rank = comm.world_size(), comm.rank()
         self.dtype = DTYPES[config.precision.dtype]
@@ -121,8 +121,8 @@ class Stage3Runtime:
             capacity = opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20)
             self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated, stream_updates=True,
                                                   capacity_bytes=capacity)
-            source = materialize.open_weights(weights) if weights else None
-            filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=str(weights),
+            source, where = materialize.open_source(weights)  # a file, a folder, or a WeightSource
+            filler = materialize.WeightFiller(model, meta=meta, init_fn=init_fn, weights=source, source=where,
                                               shapes=shapes)
             for u in self.units:
                 self._materialize(u, filler)

@@ -15,13 +15,18 @@ order, the order Hugging Face writes shards in, so each shard is mapped about on
 handed out keeps its shard's mapping alive until it is dropped; the filler copies it at once.
 Mapped pages are clean file pages the kernel may drop under pressure, so a model larger than RAM
 still loads unit by unit.
+
+`weights=` may also be a WeightSource: weights whose names or layout on disk differ from the
+module's (a checkpoint converted at load time, zero_offload.hf.from_pretrained's source), each
+tensor produced on request in the module's name and layout. The core reads it through the same
+Mapping (SourceWeights), one tensor at a time in unit order, and never imports what implements it.
 """
 from __future__ import annotations
 
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -30,6 +35,54 @@ INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 ACCEPTED = ("a .safetensors file, a torch state dict (.bin, .pt, .pth), a Hugging Face index of shards "
             "(*.safetensors.index.json, *.bin.index.json), or a folder holding one of these")
 OPEN_SHARDS = 2  # shards mapped at once: the one being read, and the previous one (a tensor tied across)
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Weights produced on request in the module's names and layout (see the module docstring).
+    `where`: what error messages name (the folder read); `names()`: every parameter and buffer
+    name it can produce; `read(name)`: that tensor (any dtype; the filler copies it at once), for
+    the names of one unit at a time, in module order, so a source holds no more than one unit."""
+
+    where: str
+
+    def names(self) -> Collection[str]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+class SourceWeights(Mapping[str, torch.Tensor]):
+    """A WeightSource as the name -> tensor Mapping the filler and the meta buffers read."""
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+        self._names = source.names()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.source.read(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+Weights = Union[str, os.PathLike, WeightSource, None]  # what `weights=` takes
+
+
+def open_source(weights: Weights) -> tuple[Mapping[str, torch.Tensor] | None, str]:
+    """`weights=` as (the lazy Mapping, what error messages name it), or (None, "") for none."""
+    if isinstance(weights, WeightSource):
+        return SourceWeights(weights), weights.where
+    if not weights:
+        return None, ""
+    return open_weights(weights), os.fspath(weights)
 
 
 def open_weights(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
