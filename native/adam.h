@@ -32,6 +32,7 @@ enum zo_adam_isa : int32_t {
 enum zo_adam_status : int32_t {
   ZO_ADAM_OK = 0,
   ZO_ADAM_NONFINITE = 1,      // a scaled gradient was Inf/NaN: nothing was written
+  ZO_ADAM_NONFINITE_PARAM = 2,  // the update was written and left an Inf/NaN parameter
   ZO_ADAM_BAD_ISA = -1,       // unknown ISA, or one this CPU cannot run
   ZO_ADAM_BAD_DTYPE = -2,     // grad dtype not f32/bf16/f16, or out dtype not none/f32/bf16/f16
   ZO_ADAM_BAD_ARGUMENT = -3,  // null pointer, negative length, step < 1, threads < 1
@@ -60,7 +61,8 @@ struct zo_adam_hyper {
 
 extern "C" {
 // Steps every tensor in place with `threads` threads (the caller's thread is one of them).
-// Returns a zo_adam_status. The GIL is not involved: this library never touches Python.
+// Returns a zo_adam_status: every kernel ORs a check of each updated parameter vector into a
+// flag in the same pass (no branch per element), so a step that produced Inf/NaN says so. The GIL is not involved: this library never touches Python.
 int32_t zo_adam_step(const zo_adam_tensor* tensors, int64_t count, const zo_adam_hyper* hyper,
                      int32_t isa, int32_t threads);
 // 1 if this CPU (and OS) can run the ISA path, else 0.
@@ -101,25 +103,26 @@ struct zo_adam_coeffs {
   int32_t decoupled;
 };
 
-// Updates elements [begin, end) of t. Same arithmetic in every ISA file.
-using zo_adam_range_fn = void (*)(const zo_adam_tensor& t, const zo_adam_coeffs& c,
+// Updates elements [begin, end) of t. Same arithmetic in every ISA file. Returns 1 if an
+// updated parameter in [begin, end) is Inf or NaN, else 0.
+using zo_adam_range_fn = int32_t (*)(const zo_adam_tensor& t, const zo_adam_coeffs& c,
                                   int64_t begin, int64_t end);
 // Returns 1 if any grad[i] * scale in [begin, end) is Inf or NaN.
 using zo_adam_scan_fn = int32_t (*)(const void* grad, int32_t dtype, float scale,
                                     int64_t begin, int64_t end);
 
-void zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+int32_t zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
                           int64_t end);
 int32_t zo_adam_scan_scalar(const void* grad, int32_t dtype, float scale, int64_t begin,
                             int64_t end);
-void zo_adam_range_avx2(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+int32_t zo_adam_range_avx2(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
                         int64_t end);
 int32_t zo_adam_scan_avx2(const void* grad, int32_t dtype, float scale, int64_t begin,
                           int64_t end);
-void zo_adam_range_avx512(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+int32_t zo_adam_range_avx512(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
                           int64_t end);
 // The same, converting to bf16 with VCVTNEPS2BF16 (AVX512-BF16) instead of integer rounding.
-void zo_adam_range_avx512bf16(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+int32_t zo_adam_range_avx512bf16(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
                               int64_t end);
 int32_t zo_adam_scan_avx512(const void* grad, int32_t dtype, float scale, int64_t begin,
                             int64_t end);

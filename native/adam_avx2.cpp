@@ -83,8 +83,9 @@ void store_lowp(const zo_adam_tensor& t, int64_t i, int64_t stop) {
   }
 }
 
+// Returns the updated parameters, for the caller's non-finite check.
 template <int G>
-inline void step8(const zo_adam_tensor& t, const Coeffs8& c, int64_t i) {
+inline __m256 step8(const zo_adam_tensor& t, const Coeffs8& c, int64_t i) {
   __m256 p = _mm256_loadu_ps(t.param + i);
   __m256 g = _mm256_mul_ps(load_grad8<G>(t.grad, i), c.grad_scale);
   if (c.decoupled) {
@@ -101,13 +102,21 @@ inline void step8(const zo_adam_tensor& t, const Coeffs8& c, int64_t i) {
   _mm256_storeu_ps(t.param + i, p);
   _mm256_storeu_ps(t.exp_avg + i, m);
   _mm256_storeu_ps(t.exp_avg_sq + i, v);
+  return p;
 }
+
+// p - p is +0 for a finite p and NaN for Inf/NaN; ORing it into `bad` keeps a NaN once one is seen.
+inline __m256 or_nonfinite(__m256 bad, __m256 p) { return _mm256_or_ps(bad, _mm256_sub_ps(p, p)); }
+
+inline int32_t any_nan(__m256 bad) { return _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) != 0; }
 
 size_t grad_bytes(int32_t dtype) { return dtype == ZO_DTYPE_F32 ? 4 : 2; }
 
-// The last n < 8 elements: copy them into zero-padded 8-wide buffers, step, copy back.
+// The last n < 8 elements: copy them into zero-padded 8-wide buffers, step, copy back. Returns
+// 1 if one of the n real lanes is Inf/NaN (a padded lane may be NaN where the real ones are not:
+// with eps = 0 its 0/0).
 template <int G, int O>
-void step_tail(const zo_adam_tensor& t, const Coeffs8& c, int64_t i, int64_t n) {
+int32_t step_tail(const zo_adam_tensor& t, const Coeffs8& c, int64_t i, int64_t n) {
   alignas(32) float p[8] = {}, m[8] = {}, v[8] = {}, g[8] = {};
   alignas(32) float out[8] = {};  // room for 8 elements of any out dtype
   std::memcpy(p, t.param + i, n * 4);
@@ -117,12 +126,15 @@ void step_tail(const zo_adam_tensor& t, const Coeffs8& c, int64_t i, int64_t n) 
   const zo_adam_tensor tmp{p, m, v, g, out, 8, t.step, G, O};
   step8<G>(tmp, c, 0);
   std::memcpy(t.param + i, p, n * 4);
+  std::memset(p + n, 0, (8 - n) * 4);  // only the real lanes count
+  const int32_t bad = any_nan(or_nonfinite(_mm256_setzero_ps(), _mm256_load_ps(p)));
   std::memcpy(t.exp_avg + i, m, n * 4);
   std::memcpy(t.exp_avg_sq + i, v, n * 4);
   if constexpr (O != ZO_DTYPE_NONE) {
     store_lowp<O, false>(tmp, 0, 8);
     std::memcpy(static_cast<char*>(t.lowp_out) + i * out_bytes(O), out, n * out_bytes(O));
   }
+  return bad;
 }
 
 // Chunks of kChunk elements: first the update, then the conversion of the chunk's weights
@@ -131,7 +143,7 @@ void step_tail(const zo_adam_tensor& t, const Coeffs8& c, int64_t i, int64_t n) 
 constexpr int64_t kChunk = 512;
 
 template <int G, int O>
-void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t begin, int64_t end) {
+int32_t range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t begin, int64_t end) {
   const Coeffs8 c = broadcast(coeffs);
   const zo_adam_tensor t = tensor;  // a local copy: stores through its pointers cannot change it
   const int64_t full = begin + (end - begin) / 8 * 8;
@@ -139,9 +151,10 @@ void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t b
   // apart, so one check serves all.
   const bool stream = (reinterpret_cast<uintptr_t>(static_cast<char*>(t.lowp_out) + begin * out_bytes(O)) &
                        (O == ZO_DTYPE_F32 ? 31 : 15)) == 0;
+  __m256 bad = _mm256_setzero_ps();
   for (int64_t i = begin; i < full; i += kChunk) {
     const int64_t stop = i + kChunk < full ? i + kChunk : full;
-    for (int64_t j = i; j < stop; j += 8) step8<G>(t, c, j);
+    for (int64_t j = i; j < stop; j += 8) bad = or_nonfinite(bad, step8<G>(t, c, j));
     if constexpr (O != ZO_DTYPE_NONE) {
       if (stream) {
         store_lowp<O, true>(t, i, stop);
@@ -151,15 +164,16 @@ void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t b
     }
   }
   if (O != ZO_DTYPE_NONE && stream) _mm_sfence();  // NT stores are weakly ordered: publish them
-  if (full < end) step_tail<G, O>(t, c, full, end - full);
+  const int32_t tail = full < end ? step_tail<G, O>(t, c, full, end - full) : 0;
+  return any_nan(bad) | tail;
 }
 
 template <int G>
-void range_out(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
+int32_t range_out(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
   if (t.out_dtype == ZO_DTYPE_F32) return range<G, ZO_DTYPE_F32>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_BF16) return range<G, ZO_DTYPE_BF16>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_F16) return range<G, ZO_DTYPE_F16>(t, c, begin, end);
-  range<G, ZO_DTYPE_NONE>(t, c, begin, end);
+  return range<G, ZO_DTYPE_NONE>(t, c, begin, end);
 }
 
 // Accumulates g*scale*0: +-0 while every value is finite, NaN from the first Inf/NaN on.
@@ -186,11 +200,11 @@ int32_t scan(const void* grad, float scale, int64_t begin, int64_t end) {
 
 }  // namespace
 
-void zo_adam_range_avx2(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
-                        int64_t end) {
+int32_t zo_adam_range_avx2(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+                           int64_t end) {
   if (t.grad_dtype == ZO_DTYPE_BF16) return range_out<ZO_DTYPE_BF16>(t, c, begin, end);
   if (t.grad_dtype == ZO_DTYPE_F16) return range_out<ZO_DTYPE_F16>(t, c, begin, end);
-  range_out<ZO_DTYPE_F32>(t, c, begin, end);
+  return range_out<ZO_DTYPE_F32>(t, c, begin, end);
 }
 
 int32_t zo_adam_scan_avx2(const void* grad, int32_t dtype, float scale, int64_t begin,

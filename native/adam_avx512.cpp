@@ -112,8 +112,10 @@ void store_lowp(const zo_adam_tensor& t, int64_t i, int64_t stop, bool stream) {
   }
 }
 
+// Returns `bad` with p - p (+0 if finite, else NaN) ORed in on the lanes of k (a masked-off
+// lane may compute NaN from its zeros: with eps = 0, 0/0), for the caller's non-finite check.
 template <int G>
-inline void step16(const zo_adam_tensor& t, const Coeffs16& c, int64_t i, __mmask16 k) {
+inline __m512 step16(const zo_adam_tensor& t, const Coeffs16& c, int64_t i, __mmask16 k, __m512 bad) {
   __m512 p = _mm512_maskz_loadu_ps(k, t.param + i);
   __m512 g = _mm512_mul_ps(load_grad16<G>(t.grad, i, k), c.grad_scale);
   if (c.decoupled) {
@@ -130,6 +132,7 @@ inline void step16(const zo_adam_tensor& t, const Coeffs16& c, int64_t i, __mmas
   _mm512_mask_storeu_ps(t.param + i, k, p);
   _mm512_mask_storeu_ps(t.exp_avg + i, k, m);
   _mm512_mask_storeu_ps(t.exp_avg_sq + i, k, v);
+  return _mm512_mask_or_ps(bad, k, bad, _mm512_sub_ps(p, p));
 }
 
 // Chunks of kChunk elements: first the update, then the conversion of the chunk's weights
@@ -137,34 +140,36 @@ inline void step16(const zo_adam_tensor& t, const Coeffs16& c, int64_t i, __mmas
 constexpr int64_t kChunk = 512;
 
 template <int G, int O, bool kInsn>
-void range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t begin, int64_t end) {
+int32_t range(const zo_adam_tensor& tensor, const zo_adam_coeffs& coeffs, int64_t begin, int64_t end) {
   const Coeffs16 c = broadcast(coeffs);
   const zo_adam_tensor t = tensor;  // a local copy: stores through its pointers cannot change it
   // NT stores need 32-byte (bf16/f16) or 64-byte (f32) alignment; chunks start 512 elements
   // apart, so one check serves all.
   const bool stream = (reinterpret_cast<uintptr_t>(static_cast<char*>(t.lowp_out) + begin * out_bytes(O)) &
                        (O == ZO_DTYPE_F32 ? 63 : 31)) == 0;
+  __m512 bad = _mm512_setzero_ps();
   for (int64_t i = begin; i < end; i += kChunk) {
     const int64_t stop = i + kChunk < end ? i + kChunk : end;
-    for (int64_t j = i; j < stop; j += 16) step16<G>(t, c, j, first(stop - j));
+    for (int64_t j = i; j < stop; j += 16) bad = step16<G>(t, c, j, first(stop - j), bad);
     if constexpr (O != ZO_DTYPE_NONE) store_lowp<O, kInsn>(t, i, stop, stream);
   }
   if (O != ZO_DTYPE_NONE && stream) _mm_sfence();  // NT stores are weakly ordered: publish them
+  return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
 }
 
 template <int G, bool kInsn>
-void range_out(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
+int32_t range_out(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
   if (t.out_dtype == ZO_DTYPE_F32) return range<G, ZO_DTYPE_F32, kInsn>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_BF16) return range<G, ZO_DTYPE_BF16, kInsn>(t, c, begin, end);
   if (t.out_dtype == ZO_DTYPE_F16) return range<G, ZO_DTYPE_F16, kInsn>(t, c, begin, end);
-  range<G, ZO_DTYPE_NONE, kInsn>(t, c, begin, end);
+  return range<G, ZO_DTYPE_NONE, kInsn>(t, c, begin, end);
 }
 
 template <bool kInsn>
-void range_any(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
+int32_t range_any(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin, int64_t end) {
   if (t.grad_dtype == ZO_DTYPE_BF16) return range_out<ZO_DTYPE_BF16, kInsn>(t, c, begin, end);
   if (t.grad_dtype == ZO_DTYPE_F16) return range_out<ZO_DTYPE_F16, kInsn>(t, c, begin, end);
-  range_out<ZO_DTYPE_F32, kInsn>(t, c, begin, end);
+  return range_out<ZO_DTYPE_F32, kInsn>(t, c, begin, end);
 }
 
 // Flags lanes whose scaled value is Inf or NaN; masked-off lanes are zero, hence finite.
@@ -187,14 +192,14 @@ int32_t scan(const void* grad, float scale, int64_t begin, int64_t end) {
 
 }  // namespace
 
-void zo_adam_range_avx512(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
-                          int64_t end) {
-  range_any<false>(t, c, begin, end);
+int32_t zo_adam_range_avx512(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+                             int64_t end) {
+  return range_any<false>(t, c, begin, end);
 }
 
-void zo_adam_range_avx512bf16(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
-                              int64_t end) {
-  range_any<true>(t, c, begin, end);
+int32_t zo_adam_range_avx512bf16(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+                                 int64_t end) {
+  return range_any<true>(t, c, begin, end);
 }
 
 int32_t zo_adam_scan_avx512(const void* grad, int32_t dtype, float scale, int64_t begin,

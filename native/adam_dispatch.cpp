@@ -245,10 +245,13 @@ int32_t step_locked(const zo_adam_tensor* ts, int64_t count, int64_t total, cons
     if (scan.stop.load()) return ZO_ADAM_NONFINITE;
   }
   Blocks update(ts, count, n);
+  std::atomic<int32_t> nonfinite{0};  // one relaxed store per block that saw Inf/NaN
   pool().run(n, [&](int) {
-    update.drain([&](int64_t j, int64_t b, int64_t e) { k.range(ts[j], coeffs[j], b, e); });
+    update.drain([&](int64_t j, int64_t b, int64_t e) {
+      if (k.range(ts[j], coeffs[j], b, e)) nonfinite.store(1, std::memory_order_relaxed);
+    });
   });
-  return ZO_ADAM_OK;
+  return nonfinite.load() ? ZO_ADAM_NONFINITE_PARAM : ZO_ADAM_OK;
 }
 
 }  // namespace

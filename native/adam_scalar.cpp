@@ -84,8 +84,9 @@ void store_lowp(void* out, int32_t dtype, int64_t i, float x) {
 
 }  // namespace
 
-void zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
-                          int64_t end) {
+int32_t zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int64_t begin,
+                             int64_t end) {
+  bool nonfinite = false;  // ORed per element: no branch, and no effect on the arithmetic
   for (int64_t i = begin; i < end; ++i) {
     float p = t.param[i];
     float g = load_grad(t.grad, t.grad_dtype, i) * c.grad_scale;
@@ -106,7 +107,9 @@ void zo_adam_range_scalar(const zo_adam_tensor& t, const zo_adam_coeffs& c, int6
     t.exp_avg[i] = m;
     t.exp_avg_sq[i] = v;
     store_lowp(t.lowp_out, t.out_dtype, i, p);
+    nonfinite |= !std::isfinite(p);
   }
+  return nonfinite ? 1 : 0;
 }
 
 int32_t zo_adam_scan_scalar(const void* grad, int32_t dtype, float scale, int64_t begin,

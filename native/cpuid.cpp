@@ -44,4 +44,4 @@ extern "C" uint32_t zo_cpu_features(void) {
   return features;
 }
 
-extern "C" int zo_abi_version(void) { return 2; }  // 2: the CPU Adam takes an f32 copy out
+extern "C" int zo_abi_version(void) { return 3; }  // 3: zo_adam_step reports non-finite parameters (2)

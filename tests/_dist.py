@@ -6,6 +6,7 @@ and becomes the parent's failure message. Functions must be importable (module l
 """
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import multiprocessing as mp
 import os
@@ -25,7 +26,7 @@ def _free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeout: float, errdir: str,
-               kwargs: dict[str, Any]) -> None:
+               kwargs: dict[str, Any], pg_timeout: float | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -35,7 +36,9 @@ def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeou
     torch.set_num_threads(1)
     try:
         if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+            extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+            dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                                    **extra)
         fn(rank, world, **kwargs)
         if world > 1:
             dist.barrier()
@@ -55,12 +58,14 @@ def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeou
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., None], world: int, *, timeout: float = 200.0, **kwargs: Any) -> None:
-    """Run fn(rank, world, **kwargs) on `world` ranks (world 1 still runs in a child, without a group)."""
+def run_ranks(fn: Callable[..., None], world: int, *, timeout: float = 200.0, pg_timeout: float | None = None,
+              **kwargs: Any) -> None:
+    """Run fn(rank, world, **kwargs) on `world` ranks (world 1 still runs in a child, without a group).
+    `pg_timeout`: the process group's collective timeout in seconds (gloo's default is 30 minutes)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as errdir:
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, timeout, errdir, kwargs))
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, timeout, errdir, kwargs, pg_timeout))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -4,17 +4,80 @@ Data parallelism is torch.distributed under torchrun (NCCL on GPUs, gloo on CPU)
 initialized process group everything here is the D = 1 identity, so single-process code needs
 no branches. Gloo lacks some fused collectives (reduce-scatter into a tensor); those fall back to
 an equivalent composition here, and only here.
+
+When a peer rank raises or dies, the collective this rank is in fails with the backend's own
+words ("Connection reset by peer", a timeout) and nothing of ours. Every collective here turns
+such a failure into PeerFailure: which rank this is, which collective of what, in which phase of
+which step (`during`, set by the engine), that a peer went away and that its own log has the cause.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for every rank
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank went away, raised or stalled (the backend's
+    transport error, kept as __cause__)."""
+
+
+# What the engine is doing, for PeerFailure's message: ("backward", step) while a backward runs.
+# A module global, not a thread-local: backward's hooks may run on autograd's device threads.
+_doing: tuple[str, int] | None = None
+# The backend's words for a peer that is gone or silent (gloo's pair.cc / unbound_buffer.cc,
+# NCCL's abort, a socket error), as opposed to a mistake in this rank's own call.
+_PEER_GONE = re.compile(r"connection (reset|closed|refused)|closed by peer|timed out|timeout|broken pipe|"
+                        r"socket|transport|communicator was aborted|peer", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def during(phase: str, step: int) -> Iterator[None]:
+    """Name what the collectives inside are for ('backward', 'step'; `step` 1-based), so a
+    PeerFailure says it; nested uses keep the outer one."""
+    global _doing
+    outer = _doing
+    _doing = outer or (phase, step)
+    try:
+        yield
+    finally:
+        _doing = outer
+
+
+def _describe(t: torch.Tensor) -> str:
+    kind = " gradient" if _doing and _doing[0] == "backward" else ""
+    return f"{t.numel():,} {str(t.dtype).replace('torch.', '')}{kind} elements"
+
+
+def _where() -> str:
+    """' in the backward of step 3', ' in optimizer step 3', or '' outside the engine's calls."""
+    if _doing is None:
+        return ""
+    phase, step = _doing
+    return f" in optimizer step {step}" if phase == "step" else f" in the {phase} of step {step}"
+
+
+@contextlib.contextmanager
+def _collective(name: str, what: str) -> Iterator[None]:
+    """A backend error meaning a peer is gone becomes one line of ours (the backend's first line
+    kept at the end); any other error passes as it is."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as exc:
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if not (isinstance(exc, getattr(dist, "DistBackendError", ())) or _PEER_GONE.search(said)):
+            raise
+        raise PeerFailure(f"rank {rank()}: the {name} of {what}{_where()} failed: a peer rank went away or raised "
+                          f"(its own log has the cause); {backend()} said: {said[:300]}") from exc
 
 
 def is_distributed() -> bool:
@@ -77,7 +140,8 @@ def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     NCCL-only group goes through the current device and back: NCCL moves device memory only."""
     if is_distributed():
         moved = t.cuda() if t.device.type == "cpu" and backend() == "nccl" else t
-        dist.all_reduce(moved, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        with _collective("all-reduce", _describe(t)):
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         if moved is not t:
             t.copy_(moved)
     return t
@@ -105,11 +169,13 @@ def reduce_scatter_(out: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return out.copy_(full.view_as(out))
     if backend() == "nccl":
-        dist.reduce_scatter_tensor(out, full)
+        with _collective("reduce-scatter", _describe(full)):
+            dist.reduce_scatter_tensor(out, full)
         return out
     # gloo has no reduce_scatter_tensor: all-reduce a copy and keep our slice.
     summed = full.detach().clone()
-    dist.all_reduce(summed)
+    with _collective("reduce-scatter", _describe(full)):
+        dist.all_reduce(summed)
     r = rank()
     return out.copy_(summed.view(n, -1)[r].view_as(out))
 
@@ -121,10 +187,11 @@ def all_gather_(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"all_gather: full has {full.numel()} elements, expected {n} x {shard.numel()}")
     if n == 1:
         return full.copy_(shard.view_as(full))
-    if backend() == "nccl":
-        dist.all_gather_into_tensor(full, shard)
-        return full
-    dist.all_gather(list(full.view(n, -1).unbind(0)), shard.reshape(-1))
+    with _collective("all-gather", _describe(full)):
+        if backend() == "nccl":
+            dist.all_gather_into_tensor(full, shard)
+        else:
+            dist.all_gather(list(full.view(n, -1).unbind(0)), shard.reshape(-1))
     return full
 
 
@@ -138,20 +205,23 @@ def all_gather_in_place_(full: torch.Tensor) -> torch.Tensor:
         return full
     slot = full.view(n, -1)[rank()]
     if backend() == "nccl":
-        dist.all_gather_into_tensor(full, slot)
+        with _collective("all-gather", _describe(full)):
+            dist.all_gather_into_tensor(full, slot)
         return full
     return all_gather_(full, slot.clone())
 
 
 def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
     if is_distributed():
-        dist.broadcast(t, src)
+        with _collective("broadcast", _describe(t)):
+            dist.broadcast(t, src)
     return t
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        with _collective("barrier", "every rank"):
+            dist.barrier()
 
 
 def all_agree(value: Any) -> bool:
@@ -165,5 +235,6 @@ def gather_objects(value: Any) -> list[Any]:
     if not is_distributed():
         return [value]
     values: list[Any] = [None] * world_size()
-    dist.all_gather_object(values, value)
+    with _collective("all-gather", "every rank's status"):
+        dist.all_gather_object(values, value)
     return values

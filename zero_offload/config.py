@@ -30,6 +30,34 @@ GiB = 1 << 30
 # The most CPU threads a setting may ask for: far above any workstation's cores, and far below
 # the counts (around 100,000) at which torch.set_num_threads crashes the process.
 MAX_THREADS = 4096
+# Upper bounds where a larger value cannot be meant (an accumulation of 10**30 micro-batches never
+# steps): far above any real setting, so they refuse only slips and overflows.
+MAX_ACCUMULATION = 1 << 20  # micro-batches per optimizer step
+MAX_COUNT = (1 << 31) - 1  # steps (scale_window, hysteresis)
+MAX_BYTES = 1 << 50  # any size in bytes: 1 PiB
+MAX_PATH_BYTES = 4095  # one nvme path: Linux's PATH_MAX less the terminating NUL
+MAX_PATHS = 256
+MAX_NAME = 256  # one module class name
+MAX_NAMES = 4096
+SHOWN = 200  # the most characters of a value an error message quotes
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message, cut to SHOWN characters (a 50 MB path used to become a
+    50-million-character message)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
+def int_range(low: int, high: int) -> str:
+    """The one wording of an integer range, for every reader of a config (ours, DeepSpeed's)."""
+    return f"expected an integer in [{low}, {high}]"
+
+
+def float_range(low: float, high: float | None, *, open_low: bool = False, open_high: bool = False) -> str:
+    """The one wording of a number range: brackets say whether each end is allowed."""
+    top = "inf)" if high is None else f"{float(high)}{')' if open_high else ']'}"
+    return f"expected a finite number in {'(' if open_low else '['}{float(low)}, {top}"
 
 
 class ConfigError(ValueError):
@@ -44,7 +72,7 @@ class ConfigError(ValueError):
 
 
 def _fail(path: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"config field '{path}' = {value!r} is invalid: {allowed}", field=path, allowed=allowed)
+    raise ConfigError(f"config field '{path}' = {shown(value)} is invalid: {allowed}", field=path, allowed=allowed)
 
 
 def _check_type(path: str, value: Any, kind: type | tuple[type, ...]) -> None:
@@ -59,17 +87,28 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
-def _check_int(path: str, value: Any, low: int, high: int | None = None) -> None:
+def _check_int(path: str, value: Any, low: int, high: int) -> None:
     _check_type(path, value, int)
-    if value < low or (high is not None and value > high):
-        _fail(path, value, f"expected an integer in [{low}, {'inf' if high is None else high}]")
+    if value < low or value > high:
+        _fail(path, value, int_range(low, high))
 
 
-def _check_float(path: str, value: Any, low: float, high: float | None = None, *, open_low: bool = False) -> None:
+def _check_float(path: str, value: Any, low: float, high: float | None = None, *, open_low: bool = False,
+                 open_high: bool = False) -> None:
     _check_type(path, value, (int, float))
-    if not math.isfinite(value) or value < low or (open_low and value == low) or (high is not None and value > high):
-        bracket = "(" if open_low else "["
-        _fail(path, value, f"expected a finite number in {bracket}{low}, {'inf)' if high is None else f'{high}]'}")
+    outside = value < low or (open_low and value == low) or (high is not None and (
+        value > high or (open_high and value == high)))
+    if not math.isfinite(value) or outside:
+        _fail(path, value, float_range(low, high, open_low=open_low, open_high=open_high))
+
+
+def _check_names(path: str, value: Any) -> tuple[str, ...]:
+    """A list of module class names, each non-empty and of at most MAX_NAME characters."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, str) for m in value):
+        _fail(path, value, "expected a list of module class names")
+    if len(value) > MAX_NAMES or not all(0 < len(m) <= MAX_NAME for m in value):
+        _fail(path, value, f"expected at most {MAX_NAMES} module class names of 1 to {MAX_NAME} characters each")
+    return tuple(value)
 
 
 def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -123,9 +162,9 @@ class PrecisionConfig(_Fields):
     def __post_init__(self) -> None:
         _check_choice("precision.dtype", self.dtype, PRECISIONS)
         _check_int("precision.initial_scale_power", self.initial_scale_power, 0, 64)
-        _check_int("precision.scale_window", self.scale_window, 1)
+        _check_int("precision.scale_window", self.scale_window, 1, MAX_COUNT)
         _check_float("precision.min_scale", self.min_scale, 0.0, open_low=True)
-        _check_int("precision.hysteresis", self.hysteresis, 1)
+        _check_int("precision.hysteresis", self.hysteresis, 1, MAX_COUNT)
         _check_float("precision.static_scale", self.static_scale, 0.0)
 
 
@@ -146,9 +185,7 @@ class OptimizerConfig(_Fields):
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             _fail("optimizer.betas", self.betas, "expected two numbers [beta1, beta2]")
         for i, b in enumerate(self.betas):
-            _check_float(f"optimizer.betas[{i}]", b, 0.0, 1.0)
-            if b == 1.0:
-                _fail(f"optimizer.betas[{i}]", b, "expected a number in [0, 1)")
+            _check_float(f"optimizer.betas[{i}]", b, 0.0, 1.0, open_high=True)
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check_float("optimizer.eps", self.eps, 0.0, open_low=True)
         _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
@@ -166,7 +203,7 @@ class IOConfig(_Fields):
     direct: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("io.block_size", self.block_size, 4096)
+        _check_int("io.block_size", self.block_size, 4096, GiB)
         if self.block_size % 4096:
             _fail("io.block_size", self.block_size, "expected a multiple of 4096 (O_DIRECT alignment)")
         _check_int("io.queue_depth", self.queue_depth, 1, 1024)
@@ -195,15 +232,12 @@ class Stage3Config(_Fields):
     leaf_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("stage3.live_budget_bytes", self.live_budget_bytes, 1)
+        _check_int("stage3.live_budget_bytes", self.live_budget_bytes, 1, MAX_BYTES)
         _check_int("stage3.prefetch_depth", self.prefetch_depth, 0, 64)
         for name in ("unit_modules", "leaf_modules"):
-            value = getattr(self, name)
-            if not isinstance(value, (list, tuple)) or not all(isinstance(m, str) for m in value):
-                _fail(f"stage3.{name}", value, "expected a list of module class names")
-            object.__setattr__(self, name, tuple(value))
-        _check_int("stage3.unit_bytes", self.unit_bytes, 1)
-        _check_int("stage3.resident_bytes", self.resident_bytes, 0)
+            object.__setattr__(self, name, _check_names(f"stage3.{name}", getattr(self, name)))
+        _check_int("stage3.unit_bytes", self.unit_bytes, 1, MAX_BYTES)
+        _check_int("stage3.resident_bytes", self.resident_bytes, 0, MAX_BYTES)
 
 
 _SECTIONS: dict[str, type] = {
@@ -247,10 +281,10 @@ class Config(_Fields):
         _check_int("stage", self.stage, 0, 3)
         self._normalize_paths()
         _check_type("pin_memory", self.pin_memory, bool)
-        _check_int("pinned_budget_bytes", self.pinned_budget_bytes, 1)
-        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        _check_int("pinned_budget_bytes", self.pinned_budget_bytes, 1, MAX_BYTES)
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1, MAX_ACCUMULATION)
         _check_float("clip_grad_norm", self.clip_grad_norm, 0.0)
-        _check_int("bucket_bytes", self.bucket_bytes, 1)
+        _check_int("bucket_bytes", self.bucket_bytes, 1, MAX_BYTES)
         _check_type("overlap_step", self.overlap_step, bool)
         _check_combination(self)
 
@@ -260,6 +294,9 @@ class Config(_Fields):
             paths = (paths,)
         if not isinstance(paths, (tuple, list)) or not all(isinstance(p, str) and p for p in paths):
             _fail("nvme_paths", self.nvme_paths, "expected a directory path or a list of them")
+        if len(paths) > MAX_PATHS or not all(len(os.fsencode(p)) <= MAX_PATH_BYTES and "\0" not in p for p in paths):
+            _fail("nvme_paths", self.nvme_paths,
+                  f"expected at most {MAX_PATHS} directory paths of at most {MAX_PATH_BYTES} bytes each, without NUL")
         object.__setattr__(self, "nvme_paths", tuple(os.path.expanduser(p) for p in paths))
 
     @classmethod
@@ -279,7 +316,7 @@ class Config(_Fields):
         """Build from a JSON file (ours or DeepSpeed's)."""
         try:
             with open(path, "rb") as f:  # decoded whole, so a bad byte's offset is the file's
-                data = json.loads(f.read().decode("utf-8"))  # JSON is UTF-8 (RFC 8259), whatever the locale
+                data = parse_json(f.read().decode("utf-8"), f"config file {path}")  # JSON is UTF-8 (RFC 8259)
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
@@ -306,6 +343,21 @@ class Config(_Fields):
         return dataclasses.replace(self, **changes)
 
 
+def parse_json(text: str, what: str) -> Any:
+    """json.loads, refusing a key given twice in one object (json keeps the last one silently,
+    so the first value, maybe the one the user edited, would do nothing); `what` names the file."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"{what} gives the key {shown(key)} twice in one object: JSON would keep only the "
+                                  f"last ({shown(value)}, not {shown(out[key])}); give it once")
+            out[key] = value
+        return out
+
+    return json.loads(text, object_pairs_hook=unique)
+
+
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     """Construct a config dataclass from a dict, naming unknown keys and their closest match."""
     if not isinstance(data, Mapping):
@@ -328,7 +380,8 @@ def _unknown_key(cls: type, key: Any) -> ConfigError:
     a DeepSpeed key is pointed to ours, as the closest spelling would mislead (gradient_clipping
     is not a slip for anything we have)."""
     section = next((name for name, c in _SECTIONS.items() if c is cls), "")
-    where = f"{section}.{key}" if section else str(key)
+    key = str(key) if len(str(key)) <= SHOWN else shown(key)  # no closest match is that long
+    where = f"{section}.{key}" if section else key
     if cls is Config:
         from zero_offload.deepspeed_compat import deepspeed_key_hint
 

@@ -39,7 +39,7 @@ import warnings
 from dataclasses import fields
 from typing import Any, Callable, Mapping
 
-from zero_offload.config import Config, ConfigError
+from zero_offload.config import SHOWN, Config, ConfigError, shown
 
 _FLAG, _COUNT = "true or false", "an integer >= 0"  # the kinds of value an unmapped key must hold
 # Accepted without effect, type-checked (kind; None: unchecked, as DeepSpeed's logging keys always
@@ -186,6 +186,9 @@ _ORIGIN: dict[str, tuple[tuple[Any, ...], ...]] = {
     "io.queue_depth": (("aio", "queue_depth"),),
     "io.threads": (("aio", "thread_count"), ("aio", "intra_op_parallelism")),
     "clip_grad_norm": (("gradient_clipping",),),
+    "gradient_accumulation_steps": (("gradient_accumulation_steps",),),
+    "nvme_paths": (("zero_optimization", "offload_optimizer", "nvme_path"),
+                   ("zero_optimization", "offload_param", "nvme_path")),
 }
 
 
@@ -209,7 +212,8 @@ _ALLOWED: dict[tuple[str, ...], set[str]] = {
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in path)
+    """A key path as written, each part cut as error messages quote values (a key may be any size)."""
+    return ".".join(str(p) if len(str(p)) <= SHOWN else shown(p) for p in path)
 
 
 def _refuse_unsupported(data: Mapping[str, Any]) -> None:
@@ -245,7 +249,7 @@ def _refused_values(data: Mapping[str, Any]) -> list[str]:
         found, value = _find(data, path)
         said = verdict(value, data) if found else _OURS
         if said not in (_OURS, _IGNORED):
-            out.append(f"{_dotted(path)} = {json.dumps(value)} ({said})")
+            out.append(f"{_dotted(path)} = {json.dumps(value)} ({said})")  # a number or a flag: short
     return out
 
 
@@ -304,7 +308,7 @@ def _bad(key: str, value: Any, expected: str) -> ConfigError:
         return ConfigError(f"DeepSpeed key '{key}' = 'auto' is the Hugging Face placeholder: resolve it first "
                            "(zero_offload.hf.ZeroOffloadTrainer fills it from TrainingArguments; or write the value)")
     got = "" if isinstance(value, (int, float)) and not isinstance(value, bool) else f", got {type(value).__name__}"
-    return ConfigError(f"DeepSpeed key '{key}' = {value!r} is invalid: expected {expected}{got}")
+    return ConfigError(f"DeepSpeed key '{key}' = {shown(value)} is invalid: expected {expected}{got}")
 
 
 def _section(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
@@ -352,7 +356,7 @@ def _offload(zero: Mapping[str, Any], key: str) -> tuple[str, list[str]]:
     device = block.get("device", "none")
     tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}.get(device) if isinstance(device, str) else None
     if tier is None:
-        raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = {device!r}: expected none, cpu or nvme")
+        raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = {shown(device)}: expected none, cpu or nvme")
     return tier, (_nvme_paths(block, key) if tier == "nvme" else [])
 
 
@@ -366,9 +370,9 @@ def _shared_nvme_paths(optimizer: list[str], params: list[str]) -> tuple[str, ..
     keeps each group's files on its own path, so two blocks naming different ones are refused
     rather than merged (which would put each group's files on the other's drive too)."""
     if optimizer and params and _dirs(optimizer) != _dirs(params):
-        shown = [p[0] if len(p) == 1 else p for p in (optimizer, params)]
-        raise ConfigError(f"DeepSpeed zero_optimization.offload_optimizer.nvme_path = {shown[0]!r} and "
-                          f"offload_param.nvme_path = {shown[1]!r} differ: zero_offload stripes every group over "
+        given = [p[0] if len(p) == 1 else p for p in (optimizer, params)]
+        raise ConfigError(f"DeepSpeed zero_optimization.offload_optimizer.nvme_path = {shown(given[0])} and "
+                          f"offload_param.nvme_path = {shown(given[1])} differ: zero_offload stripes every group over "
                           "one list of paths; give the same path (or list) for both")
     return tuple(dict.fromkeys(optimizer or params))
 
@@ -419,7 +423,7 @@ def _optimizer(data: Mapping[str, Any]) -> dict[str, Any]:
     kind = block.get("type", "AdamW")
     params = _section(block, "params", "optimizer")
     if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
-        raise ConfigError(f"DeepSpeed optimizer type {block.get('type')!r} is not supported: use Adam or AdamW")
+        raise ConfigError(f"DeepSpeed optimizer type {shown(block.get('type'))} is not supported: use Adam or AdamW")
     # As DeepSpeed: effective_adam_w_mode = name == "adamw" or adam_w_mode (default True).
     adam_w_mode = _flag(params, "adam_w_mode", "optimizer.params", _ADAM_W_MODE_DEFAULT)
     decoupled = kind.lower() == "adamw" or adam_w_mode
@@ -449,7 +453,7 @@ def _leaf_classes(zero: Mapping[str, Any]) -> list[str]:
     if not isinstance(items, list) or not all(isinstance(c, str) and c.strip(".") for c in items):
         key, kind = "zero_optimization.leaf_module.classes", "a list of module class names"
         raise _bad(key, value, kind) if not isinstance(value, list) else ConfigError(
-            f"DeepSpeed key '{key}' = {value!r} is invalid: expected {kind}")
+            f"DeepSpeed key '{key}' = {shown(value)} is invalid: expected {kind}")
     return [c.rpartition(".")[2] for c in items]
 
 
@@ -494,7 +498,7 @@ def _world_size() -> int:
         return comm.world_size()
     value = os.environ.get("WORLD_SIZE", "1") or "1"
     if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"WORLD_SIZE = {value!r} is not a world size (a whole number >= 1)")
+        raise ConfigError(f"WORLD_SIZE = {shown(value)} is not a world size (a whole number >= 1)")
     return int(value)
 
 
@@ -658,7 +662,7 @@ def _as_deepspeeds(exc: ConfigError, data: Mapping[str, Any]) -> ConfigError:
         found, value = _find(data, path)
         if found:
             key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
-            return ConfigError(f"DeepSpeed key '{key}' = {value!r} is invalid: {exc.allowed}")
+            return ConfigError(f"DeepSpeed key '{key}' = {shown(value)} is invalid: {exc.allowed}")
     return exc
 
 

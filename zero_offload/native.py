@@ -17,7 +17,7 @@ import glob
 import os
 from typing import Any, Callable
 
-ABI_VERSION = 2  # native/cpuid.cpp; 2: the CPU Adam takes an f32 copy out (ZO_DTYPE_F32)
+ABI_VERSION = 3  # native/cpuid.cpp; 2: the CPU Adam takes an f32 copy out (ZO_DTYPE_F32); 3: it reports non-finite parameters
 
 # Bit numbers of native/zo_cpuid.h; part of the ABI.
 CPU_FEATURE_BITS = {

@@ -174,7 +174,8 @@ class Engine:
         if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
             self.runtime.begin_forward(self.is_boundary)
         self.phase.start_forward()
-        return self.module(*args, **kwargs)
+        with comm.during("forward", self.global_steps + 1):  # names the step in a peer's failure
+            return self.module(*args, **kwargs)
 
     forward = __call__
 
@@ -207,8 +208,9 @@ class Engine:
             raise
         self._hyper = self._hyperparameters()
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
-            self.runtime.end_backward()  # reduces what got no gradient: may fail the same ways
+            with comm.during("backward", self.global_steps + 1):
+                (loss * scale if scale != 1.0 else loss).backward()
+                self.runtime.end_backward()  # reduces what got no gradient: may fail the same ways
         except BaseException as exc:
             self._abort_backward(exc)
             raise
@@ -275,7 +277,8 @@ class Engine:
         try:
             if self.is_boundary:
                 self._warn_late_hyperparameters()
-                applied = self._runtime_step()
+                with comm.during("step", self.global_steps + 1):
+                    applied = self._runtime_step()
                 self.global_steps += 1
             self.micro_step += 1
         finally:

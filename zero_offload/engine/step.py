@@ -24,8 +24,9 @@ import torch
 
 from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, span
 from zero_offload.io.buffers import aligned_tensor
-from zero_offload.optim.flat import adam_step_flat, adam_step_runs
+from zero_offload.optim.flat import NonFiniteUpdate, adam_step_flat, adam_step_runs
 from zero_offload.store.base import Handle, Store
+
 
 @dataclass
 class Scalars:
@@ -103,7 +104,7 @@ class HostAdam:
                  s: Scalars, lowp_out: torch.Tensor | None) -> None:
         adam_step_flat(master, grad, m, v, step=s.step, lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps,
                        weight_decay=s.weight_decay, decoupled=s.decoupled, grad_scale=s.grad_scale,
-                       lowp_out=lowp_out, threads=self.threads or None)
+                       lowp_out=lowp_out, check_params=True, threads=self.threads or None)
 
     def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
@@ -111,7 +112,8 @@ class HostAdam:
         `lowp_out` takes the master's values where no run steps (the kernel writes only runs)."""
         if segments:
             adam_step_runs(master, grad, m, v, [(lo, hi, _hyper(s)) for lo, hi, s in segments],
-                           step=[s.step for _, _, s in segments], lowp_out=lowp_out, threads=self.threads or None)
+                           step=[s.step for _, _, s in segments], lowp_out=lowp_out, threads=self.threads or None,
+                           check_params=True)
         if lowp_out is not None:
             for lo, hi in gaps(segments, master.numel()):
                 lowp_out[lo:hi].copy_(master[lo:hi])
@@ -130,6 +132,7 @@ class DeviceAdam:
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  s: Scalars, lowp_out: torch.Tensor | None) -> None:
         _fused([master], [grad.float()], [m], [v], [s.step], s)
+        _check_finite_device(master)
         if lowp_out is not None:
             lowp_out.copy_(master)
 
@@ -143,8 +146,16 @@ class DeviceAdam:
             by_group.setdefault(tuple(_hyper(sc).items()), (sc, []))[1].append((lo, hi, sc.step))
         for sc, spans in by_group.values():
             _fused(*([t[lo:hi] for lo, hi, _ in spans] for t in (master, g, m, v)), [st for *_, st in spans], sc)
+        _check_finite_device(master)
         if lowp_out is not None:
             lowp_out.copy_(master)
+
+
+def _check_finite_device(master: torch.Tensor) -> None:
+    """torch's fused Adam reports nothing: one isfinite pass over the updated shard (on a GPU
+    it waits for the step's kernels, once per shard)."""
+    if not bool(torch.isfinite(master).all()):
+        raise NonFiniteUpdate("torch's fused Adam left an Inf or NaN parameter")
 
 
 def _fused(masters: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torch.Tensor],
@@ -158,6 +169,20 @@ def _fused(masters: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torc
     fused = torch._fused_adamw_ if s.decoupled else torch._fused_adam_
     fused(masters, grads, ms, vs, [], counts, lr=s.lr, beta1=s.beta1, beta2=s.beta2,
           weight_decay=s.weight_decay, eps=s.eps, amsgrad=False, maximize=False)
+
+
+def nonfinite_step(job: Job) -> NonFiniteUpdate:
+    """The one-line error for a shard whose update left Inf/NaN weights. Raised before the job is
+    handed over or its region released: its step count and compute copy stay as they were, and a
+    staged (nvme) shard is not written back, so the drive keeps the previous state; a resident
+    master and moments (cpu, device) were updated in place and stay non-finite, so every later
+    step fails too until a checkpoint is loaded."""
+    steps = sorted({s.step for _, _, s in job.segments()}) or [job.scalars.step]
+    lrs = sorted({s.lr for _, _, s in job.segments()}) or [job.scalars.lr]
+    return NonFiniteUpdate(
+        f"step {'/'.join(map(str, steps))}: the Adam update of optimizer shard {job.key!r} left Inf or NaN "
+        f"weights (lr {'/'.join(f'{lr:g}' for lr in lrs)}; an lr or gradient too large for fp32); the shard "
+        "was not handed over: lower the lr or clip the gradients, and load a checkpoint to go on")
 
 
 class StateAccess:
@@ -452,10 +477,13 @@ class StepPipeline:
 
     def _step(self, job: Job, tensors: tuple[torch.Tensor, ...], out: torch.Tensor | None) -> None:
         """The kernel over the job: its runs of parameter groups, if it has several."""
-        if job.runs is not None:
-            self.kernel.segments(*tensors, job.segments(), out)
-        else:
-            self.kernel(*tensors, job.scalars, out)
+        try:
+            if job.runs is not None:
+                self.kernel.segments(*tensors, job.segments(), out)
+            else:
+                self.kernel(*tensors, job.scalars, out)
+        except NonFiniteUpdate as exc:
+            raise nonfinite_step(job) from exc
 
     def _run_noting(self, job: Job) -> None:
         """`_run` inline; an interrupt inside it leaves the job unsure (see `unsure`)."""

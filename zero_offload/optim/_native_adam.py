@@ -28,6 +28,9 @@ ISA_NEEDS = {
 }
 GRAD_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # zo_dtype
 OUT_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the copy of the updated weights
+# zo_adam_status codes >= 0: the step ran. NONFINITE_GRAD: check_finite saw an Inf/NaN gradient and
+# wrote nothing; NONFINITE_PARAM: the update was written and left an Inf/NaN parameter.
+OK, NONFINITE_GRAD, NONFINITE_PARAM = 0, 1, 2
 _STATUS = {
     -1: "the ISA is unknown or this CPU cannot run it",
     -2: "a gradient or output dtype the kernel does not take",
@@ -177,13 +180,14 @@ def make_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_deca
                      float(grad_scale), int(bool(decoupled)), int(bool(check_finite)))
 
 
-def step(items: Sequence[AdamTensor], hyper: AdamHyper, *, isa: str, threads: int) -> bool:
-    """Run zo_adam_step; True when check_finite saw a non-finite gradient (nothing was written)."""
+def step(items: Sequence[AdamTensor], hyper: AdamHyper, *, isa: str, threads: int) -> int:
+    """Run zo_adam_step; its status: OK, NONFINITE_GRAD (check_finite saw a non-finite gradient:
+    nothing was written) or NONFINITE_PARAM (written; an updated parameter is Inf/NaN)."""
     array = (AdamTensor * len(items))(*items)
     rc = _lib().zo_adam_step(array, len(items), ctypes.byref(hyper), ISA_NAMES.index(isa), threads)
     if rc < 0:
         raise ValueError(f"zo_adam_step refused the call: {_STATUS.get(rc, f'status {rc}')}")
-    return rc == 1
+    return rc
 
 
 _warned: set[str] = set()

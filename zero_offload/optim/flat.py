@@ -16,6 +16,16 @@ from zero_offload.optim import _native_adam
 _FLOAT_STATE = ("param", "exp_avg", "exp_avg_sq")
 
 
+class NonFiniteUpdate(FloatingPointError):
+    """With `check_params`: the update was written and left an Inf or NaN parameter (an lr or
+    gradient too large for fp32). The kernels see it in the pass that writes the update."""
+
+
+def _refuse_nonfinite(owner: str, status: int, check_params: bool) -> None:
+    if check_params and status == _native_adam.NONFINITE_PARAM:
+        raise NonFiniteUpdate(f"{owner}: the update left an Inf or NaN parameter")
+
+
 def _check_cpu_contiguous(name: str, t: torch.Tensor, numel: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"adam_step_flat: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -82,6 +92,7 @@ def adam_step_flat(
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
     check_finite: bool = False,
+    check_params: bool = False,
     isa: str | None = None,
     threads: int | None = None,
 ) -> bool:
@@ -96,7 +107,9 @@ def adam_step_flat(
     `lowp_out`, if given, receives the updated weights rounded to nearest even in its own dtype
     (the upload copy; float32: an exact copy, for a caller that needs the weights apart from
     the master), written in the same pass. `isa` (scalar|avx2|avx512) and `threads` override
-    the process defaults (see _native_adam).
+    the process defaults (see _native_adam). With `check_params` an update that leaves an Inf
+    or NaN parameter raises NonFiniteUpdate (after writing it: the kernel sees it in the same
+    pass, an OR of one compare per vector).
     """
     _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
     _native_adam.check_hyper("adam_step_flat", lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
@@ -108,11 +121,14 @@ def adam_step_flat(
         if isa is not None:
             _native_adam.check_isa(isa, "isa")  # raises: a named ISA needs the native kernels
         _native_adam.warn_fallback_once("adam_step_flat")
-        return _adam_step_flat_torch(param, grad, exp_avg, exp_avg_sq, step=step, lowp_out=lowp_out, **hyper)
-    item = _native_adam.make_tensor(param, grad, exp_avg, exp_avg_sq, step, lowp_out)
-    return _native_adam.step([item], _native_adam.make_hyper(**hyper),
-                             isa=_native_adam.resolve_isa(isa),
-                             threads=threads)
+        status = _adam_step_flat_torch(param, grad, exp_avg, exp_avg_sq, step=step, lowp_out=lowp_out,
+                                       check_params=check_params, **hyper)
+    else:
+        item = _native_adam.make_tensor(param, grad, exp_avg, exp_avg_sq, step, lowp_out)
+        status = _native_adam.step([item], _native_adam.make_hyper(**hyper), isa=_native_adam.resolve_isa(isa),
+                                   threads=threads)
+    _refuse_nonfinite("adam_step_flat", status, check_params)
+    return status == _native_adam.NONFINITE_GRAD
 
 
 def adam_step_runs(
@@ -125,6 +141,7 @@ def adam_step_runs(
     step: int | Sequence[int],
     lowp_out: torch.Tensor | None = None,
     threads: int | None = None,
+    check_params: bool = False,
 ) -> None:
     """`adam_step_flat` over runs of one flat shard, each `(start, end, hyper)` with its own
     hyperparameters (lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale: a parameter
@@ -133,13 +150,15 @@ def adam_step_runs(
     neither. The whole tensors are checked once, and the runs that share hyperparameters go to
     the kernel in one call (each with its own step count): a block's weights, biases and norms
     alternate between two groups, and a call per run (with its checks) cost as much as the
-    arithmetic of a small unit."""
+    arithmetic of a small unit. `check_params` as in adam_step_flat (raised once every run is
+    stepped)."""
     steps = [step] * len(runs) if isinstance(step, int) else list(step)
     if len(steps) != len(runs):
         raise ValueError(f"adam_step_runs: {len(steps)} step counts for {len(runs)} runs")
     _check_args(param, grad, exp_avg, exp_avg_sq, lowp_out, steps[0] if steps else 1)
     for s in steps[1:]:
         _check_step(s)
+    status = _native_adam.OK
     by_hyper: dict[tuple, list[tuple[int, int, int]]] = {}
     for (lo, hi, hyper), s in zip(runs, steps):
         by_hyper.setdefault(tuple(sorted(hyper.items())), []).append((lo, hi, s))
@@ -152,29 +171,37 @@ def adam_step_runs(
         if not _native_adam.available():
             _native_adam.warn_fallback_once("adam_step_runs")
             for p, g, m, v, out, s in parts:
-                _adam_step_flat_torch(p, g, m, v, step=s, lowp_out=out, check_finite=False, **hyper)
+                status = max(status, _adam_step_flat_torch(p, g, m, v, step=s, lowp_out=out, check_finite=False,
+                                                           check_params=check_params, **hyper))
             continue
         items = [_native_adam.make_tensor(p, g, m, v, s, out) for p, g, m, v, out, s in parts]
-        _native_adam.step(items, _native_adam.make_hyper(**hyper), isa=_native_adam.resolve_isa(None),
-                          threads=_native_adam.resolve_threads(threads))
+        status = max(status, _native_adam.step(items, _native_adam.make_hyper(**hyper),
+                                               isa=_native_adam.resolve_isa(None),
+                                               threads=_native_adam.resolve_threads(threads)))
+    _refuse_nonfinite("adam_step_runs", status, check_params)
 
 
 def _adam_step_flat_torch(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
     step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     decoupled: bool, grad_scale: float, lowp_out: torch.Tensor | None, check_finite: bool,
-) -> bool:
+    check_params: bool = False,
+) -> int:
     """The same step through torch's fused CPU Adam: the fallback when the native library is
     missing. The kernels round as that one does (native/adam.h), so both paths give the same
-    bits; torch's unfused ops differ (torch.sqrt on fp32 is not always correctly rounded)."""
+    bits; torch's unfused ops differ (torch.sqrt on fp32 is not always correctly rounded).
+    Returns the kernel's status (_native_adam.OK / NONFINITE_GRAD / NONFINITE_PARAM); the
+    parameter check is a second pass here, made only when asked for."""
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
     if check_finite and not bool(torch.isfinite(g).all()):
-        return True
+        return _native_adam.NONFINITE_GRAD
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused([param], [g], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))], lr=lr, beta1=beta1,
           beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     if lowp_out is not None:
         lowp_out.copy_(param)
-    return False
+    if check_params and not bool(torch.isfinite(param).all()):
+        return _native_adam.NONFINITE_PARAM
+    return _native_adam.OK
