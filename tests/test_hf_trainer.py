@@ -239,6 +239,14 @@ def test_deepspeed_values_that_differ_from_training_arguments_are_listed_in_one_
         resolve(ds, training_args(str(tmp_path)))
 
 
+def test_a_config_file_giving_a_key_twice_is_refused(tmp_path: Any) -> None:
+    """json keeps the last of two equal keys silently: the first (perhaps the edited one) did nothing."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+    with pytest.raises(ConfigError, match=r"^zero_offload_config file .*ds_config.json gives the key 'stage' twice"):
+        resolve(str(path), training_args(str(tmp_path)))
+
+
 def test_a_zero_offload_config_takes_its_training_values_from_training_arguments(tmp_path: Any) -> None:
     args = training_args(str(tmp_path), bf16=True, learning_rate=3e-4, gradient_accumulation_steps=4)
     c = resolve({"stage": 2, "tiers": {"optimizer": "cpu"}}, args)

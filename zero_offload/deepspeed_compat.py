@@ -472,13 +472,14 @@ def _zero_scalars(zero: Mapping[str, Any], dtype_bytes: int) -> dict[str, Any]:
 
 
 def _pin_memory(zero: Mapping[str, Any], tiers: Mapping[str, str]) -> dict[str, Any]:
-    """Our one pin_memory flag from the offload blocks'. DeepSpeed's default is false, so neither
-    saying means unpinned (not our default, true). A block that offloads nothing (device none) has
-    nothing to pin; two offloading blocks that disagree are refused, as one flag cannot keep both."""
+    """Our one pin_memory flag from the offload blocks'. DeepSpeed 0.19.8's default is true
+    (runtime/zero/offload_config.py), as ours, so neither saying means pinned. A block that
+    offloads nothing (device none) has nothing to pin; two offloading blocks that disagree are
+    refused, as one flag cannot keep both."""
     said: dict[str, bool] = {}
     for key, group in _BLOCK_GROUP.items():
         block = _section(zero, key, "zero_optimization")
-        pin = _flag(block, "pin_memory", f"zero_optimization.{key}", False)  # checked even where unused
+        pin = _flag(block, "pin_memory", f"zero_optimization.{key}", True)  # checked even where unused
         if "pin_memory" in block and tiers[group] != "device":
             said[key] = pin
     if len(set(said.values())) > 1:
@@ -486,7 +487,7 @@ def _pin_memory(zero: Mapping[str, Any], tiers: Mapping[str, str]) -> dict[str, 
         raise ConfigError(f"DeepSpeed zero_optimization.offload_optimizer.pin_memory = {opt} and "
                           f"offload_param.pin_memory = {par} differ: zero_offload pins host memory for every "
                           "group or for none; give both the same value")
-    return {"pin_memory": any(said.values())}
+    return {"pin_memory": next(iter(said.values()), True)}
 
 
 def _world_size() -> int:

@@ -20,7 +20,7 @@ import os
 import warnings
 from typing import Any, Mapping
 
-from zero_offload.config import Config, ConfigError
+from zero_offload.config import Config, ConfigError, parse_json
 from zero_offload.deepspeed_compat import is_deepspeed
 
 AUTO = "auto"
@@ -250,7 +250,7 @@ def _read(path: str) -> dict[str, Any]:
     """A JSON config file, with Config.from_file's one-line errors."""
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
+            data = parse_json(f.read().decode("utf-8"), f"zero_offload_config file {path}")
     except OSError as exc:
         raise ConfigError(f"cannot read zero_offload_config file {path}: {exc.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
