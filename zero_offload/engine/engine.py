@@ -20,6 +20,7 @@ from zero_offload import comm
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.param_groups import resolve as resolve_groups, runs as group_runs
 from zero_offload.engine.shard_optimizer import DTYPES, HandOverFailed
+from zero_offload.engine.weights_files import Weights
 
 
 class Phase(Enum):
@@ -85,7 +86,7 @@ class Engine:
     """Trains `model` under `config`; see the package docs for the call sequence."""
 
     def __init__(self, model: torch.nn.Module, config: Config, *, init_fn: Any = None,
-                 weights: str | None = None, param_groups: Any = None) -> None:
+                 weights: Weights = None, param_groups: Any = None) -> None:
         self.config = config
         # Resolved before anything else: stage 3 replaces the parameter objects the groups name.
         groups = None if param_groups is None else resolve_groups(model, param_groups, config.optimizer)
@@ -120,7 +121,7 @@ class Engine:
                 self.close()
                 raise
 
-    def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: str | None) -> None:
+    def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: Weights) -> None:
         """Stages 0-2: the whole model on the compute device in the compute dtype."""
         if init_fn is not None or weights is not None:
             raise ConfigError("initialize: init_fn and weights (materializing a meta model) need stage 3")
@@ -456,7 +457,7 @@ class Engine:
 
 
 def initialize(model: torch.nn.Module, config: Config | dict | str | None = None, *, init_fn: Any = None,
-               weights: str | None = None, param_groups: Any = None, **kwargs: Any) -> Engine:
+               weights: Weights = None, param_groups: Any = None, **kwargs: Any) -> Engine:
     """An Engine for `model`; `config` is a Config, a dict, a JSON path, or keyword arguments.
 
     `param_groups`, as torch optimizers take them (a list of dicts, each with "params": the
@@ -466,7 +467,8 @@ def initialize(model: torch.nn.Module, config: Config | dict | str | None = None
     At stage 3 a model built on the meta device is materialized unit by unit, from `init_fn`
     (called per module after the module's own reset_parameters, as `model.apply(init_fn)` after
     eager construction would) or from `weights` (a .safetensors file, a torch state-dict file, a
-    Hugging Face index of shards, or a folder holding one; memory-mapped, weights_files.py), so a
+    Hugging Face index of shards, or a folder holding one; memory-mapped, weights_files.py; or a
+    `WeightSource`, such as zero_offload.hf.from_pretrained's converting reader), so a
     model larger than host RAM is never whole in memory.
     """
     if not isinstance(model, torch.nn.Module):
