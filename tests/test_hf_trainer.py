@@ -293,6 +293,8 @@ def _d2_args(out: str, **overrides: Any) -> Any:
 
 
 def _d2_config(where: str) -> dict[str, Any]:
+    if where == "stage1-cpu":
+        return {"stage": 1, "tiers": {"optimizer": "cpu", "grads": "cpu"}}
     if where == "stage3-cpu":
         return {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
                 "stage3": {"unit_modules": ["LlamaDecoderLayer"]}}
@@ -316,7 +318,7 @@ def _assert_same_logs(ours: list[dict], theirs: list[dict], where: str, exact: b
 
 def _two_ranks(rank: int, world: int, out: str) -> None:
     """On each of two gloo ranks, as torchrun would start them: a plain Trainer (DDP), then
-    ZeroOffloadTrainer at stages 2 and 3 (with evaluation and a checkpoint, then save_model);
+    ZeroOffloadTrainer at stages 0 to 3 (with evaluation and a checkpoint, then save_model);
     rank 0 compares. Each is then resumed from its mid-epoch checkpoint-3. Without the sampler
     sharding the data per rank, or with the module wrapped in DDP, the runs differ (or stage 3
     fails)."""
@@ -324,7 +326,7 @@ def _two_ranks(rank: int, world: int, out: str) -> None:
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     _refuses_a_trainer_that_sees_one_process(out)
     history, plain = _plain_ddp(out)
-    for where in ("stage2-cpu", "stage3-cpu"):
+    for where in ("stage0", "stage1-cpu", "stage2-cpu", "stage3-cpu"):
         path = os.path.join(out, where)
         ours = ZeroOffloadTrainer(model=tiny_llama(attention_dropout=0.2), train_dataset=TRAIN_D2, eval_dataset=EVAL,
                                   args=_d2_args(path, save_strategy="steps", save_steps=3),
@@ -378,7 +380,7 @@ def _assert_resumes_bit_for_bit(first: ZeroOffloadTrainer, weights: dict[str, to
 def test_two_ranks_train_as_a_plain_ddp_trainer_does(tmp_path: Any) -> None:
     from _dist import run_ranks
 
-    run_ranks(_two_ranks, 2, timeout=300, out=str(tmp_path))
+    run_ranks(_two_ranks, 2, timeout=420, out=str(tmp_path))
 
 
 def test_the_example_fine_tunes_saves_and_generates(tmp_path: Any) -> None:
