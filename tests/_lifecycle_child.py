@@ -22,6 +22,7 @@ import zero_offload
 
 warnings.filterwarnings("ignore", message="adam_step_flat: native CPU Adam unavailable")
 WIDTH = 32
+_KEEP: list = []
 
 
 def _engine(workdir: str, preempt: bool, backend: str) -> "zero_offload.engine.engine.Engine":
@@ -53,7 +54,8 @@ def main() -> None:
     if args.mode == "exit":
         for i in range(3):
             _step(eng, i)
-        return  # without close(): the engine's finalizer runs at exit
+        _KEEP.append(eng)  # alive until the interpreter exits: its finalizer runs at exit, not here
+        return  # without close()
     if args.mode == "resume":
         eng.load_checkpoint(os.path.join(args.workdir, "ckpt"))
         with open(os.path.join(args.workdir, "saved_steps")) as f:
