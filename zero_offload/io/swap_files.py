@@ -7,6 +7,10 @@ message either way; one whose owner still runs is refused. The manifest's pid ca
 up in this host's (this container's) process table, so the owner also holds an exclusive flock
 on swap.bin for the store's life: a process on another host sharing the path (NFS) or in another
 container on the same disk is refused too, instead of taking over or removing live files.
+Within this process, only an open store holds its directory (`_LIVE`): one a closed store could
+not delete (`_LEFT`, `FilesLeft`) is taken over like a crashed run's. While files are held,
+SIGTERM with its default action deletes them before it ends the process (`_SigtermGuard`;
+docs/faults.md).
 """
 from __future__ import annotations
 
