@@ -196,6 +196,7 @@ def test_handle_signals_saves_at_the_next_boundary_and_restores_the_handlers(tmp
         assert info.value.code == 128 + signal.SIGUSR1 and info.value.global_steps == 2
         assert eng.closed and list((tmp_path / "nvme").iterdir()) == []
         assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # the user's, back
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # no swap file held: the default again
         os.kill(os.getpid(), signal.SIGUSR1)
         assert seen == [signal.SIGUSR1] * 2
         resumed = _engine(tmp_path / "nvme")
@@ -212,6 +213,8 @@ def test_handle_signals_needs_a_checkpoint_dir() -> None:
         Config(preemption={"handle_signals": True})
     with pytest.raises(ConfigError, match="'preemption.handle_signals' = 'yes' is invalid: expected bool"):
         Config(preemption={"handle_signals": "yes", "checkpoint_dir": "ckpt"})
+    with pytest.raises(ConfigError, match=r"config mixes zero_offload keys \(preemption\) with DeepSpeed keys"):
+        Config.from_dict({"zero_optimization": {"stage": 2}, "preemption": {"handle_signals": False}})
 
 
 def _ranks_save_at_one_boundary(rank: int, world: int, workdir: str) -> None:
