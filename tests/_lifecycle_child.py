@@ -2,7 +2,7 @@
 
     python tests/_lifecycle_child.py MODE WORKDIR [--preempt] [--backend KIND]
 
-MODE: `loop` trains until a signal ends it, writing WORKDIR/ready after two steps; `exit`
+MODE: `loop` trains until a signal (or Ctrl-C) ends it, writing WORKDIR/ready after two steps; `exit`
 trains three steps and returns without close(); `resume` loads WORKDIR/ckpt, checks its step
 count against WORKDIR/saved_steps, trains one more step and closes. Stage 3 with parameters and
 optimizer state on NVMe (WORKDIR/nvme), so a prefetch is in flight whenever a step ends.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import warnings
 
 import torch
@@ -51,11 +50,11 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     args = ap.parse_args()
     eng = _engine(args.workdir, args.preempt, args.backend)
+    _KEEP.append(eng)  # as a script's top-level engine: alive until the interpreter exits
     if args.mode == "exit":
         for i in range(3):
             _step(eng, i)
-        _KEEP.append(eng)  # alive until the interpreter exits: its finalizer runs at exit, not here
-        return  # without close()
+        return  # without close(): the engine's finalizer runs at exit
     if args.mode == "resume":
         eng.load_checkpoint(os.path.join(args.workdir, "ckpt"))
         with open(os.path.join(args.workdir, "saved_steps")) as f:
@@ -72,10 +71,11 @@ def main() -> None:
             i += 1
             if i == 2:
                 open(os.path.join(args.workdir, "ready"), "w").close()
-            time.sleep(0.01)
-    except zero_offload.Preempted as exc:
-        with open(os.path.join(args.workdir, "saved_steps"), "w") as f:
-            f.write(str(exc.global_steps))
+
+    except BaseException as exc:  # by name: the tests run this child against code without Preempted too
+        if type(exc).__name__ == "Preempted":
+            with open(os.path.join(args.workdir, "saved_steps"), "w") as f:
+                f.write(str(exc.global_steps))
         raise
 
 
