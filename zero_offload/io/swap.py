@@ -29,8 +29,8 @@ from zero_offload.io.aio import open_backend
 from zero_offload.io.base import AIOBackend, ChainedFuture, ChecksumError, DoneFuture, IOFuture, ThreadFuture
 from zero_offload.io.buffers import ALIGN, BufferPool, aligned_empty, round_up
 from zero_offload.io.checksum import ChecksumTable
-from zero_offload.io.threads import DaemonPool
 from zero_offload.io.swap_files import SwapError, SwapFile, check_paths, check_space, log, remove_files
+from zero_offload.io.threads import DaemonPool
 
 __all__ = ["Slot", "SwapError", "SwapStore"]
 
