@@ -383,18 +383,18 @@ def test_bounce_budget_below_one_block_is_refused(tmp_path: Path) -> None:
         assert torch.equal(out, src)
 
 
-@pytest.mark.parametrize("failing", ["BufferPool", "ThreadPoolExecutor"])
+@pytest.mark.parametrize("failing", ["BufferPool", "DaemonPool"])
 def test_failed_construction_removes_files_and_closes_its_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  failing: str) -> None:
     opened: list = []
-    real_open, real_executor = swap.open_backend, swap.concurrent.futures.ThreadPoolExecutor
+    real_open, real_executor = swap.open_backend, swap.DaemonPool
 
     def open_backend(*a: Any, **kw: Any) -> Any:
         opened.append(real_open(*a, **kw))
         return opened[-1]
 
     def executor(*a: Any, **kw: Any) -> Any:
-        if kw.get("thread_name_prefix") == "zo-swap-bounce":
+        if "zo-swap-bounce" in a:
             raise RuntimeError("can't start new thread")
         return real_executor(*a, **kw)
 
@@ -405,7 +405,7 @@ def test_failed_construction_removes_files_and_closes_its_backend(tmp_path: Path
     if failing == "BufferPool":
         monkeypatch.setattr(swap, "BufferPool", pool)
     else:
-        monkeypatch.setattr(swap.concurrent.futures, "ThreadPoolExecutor", executor)
+        monkeypatch.setattr(swap, "DaemonPool", executor)
     with pytest.raises((MemoryError, RuntimeError)):
         _store([tmp_path])
     assert os.listdir(tmp_path) == []

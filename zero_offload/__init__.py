@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from zero_offload.engine.engine import Engine
 
-__all__ = ["Config", "ConfigError", "IgnoredDeepSpeedKeys", "initialize"]
+__all__ = ["Config", "ConfigError", "FilesLeft", "IgnoredDeepSpeedKeys", "Preempted", "initialize"]
 
 
 def initialize(model: "torch.nn.Module", config: Config | dict | str | None = None, **kwargs: Any) -> "Engine":
@@ -28,3 +28,16 @@ def initialize(model: "torch.nn.Module", config: Config | dict | str | None = No
     from zero_offload.engine.engine import initialize as _initialize
 
     return _initialize(model, config, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """The exceptions of the engine's lifecycle (docs/faults.md), imported when first named."""
+    if name == "Preempted":
+        from zero_offload.engine.preemption import Preempted
+
+        return Preempted
+    if name == "FilesLeft":
+        from zero_offload.io.swap_files import FilesLeft
+
+        return FilesLeft
+    raise AttributeError(f"module 'zero_offload' has no attribute {name!r}")

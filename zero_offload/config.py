@@ -240,12 +240,30 @@ class Stage3Config(_Fields):
         _check_int("stage3.resident_bytes", self.resident_bytes, 0, MAX_BYTES)
 
 
+@dataclass(frozen=True)
+class PreemptionConfig(_Fields):
+    """Saving on pre-emption (docs/faults.md): with handle_signals, a SIGTERM or SIGUSR1 makes
+    engine.step() save a checkpoint in checkpoint_dir at the next accumulation boundary, close
+    the engine and raise zero_offload.Preempted (a SystemExit: exit code 128 + the signal)."""
+
+    handle_signals: bool = False
+    checkpoint_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _check_type("preemption.handle_signals", self.handle_signals, bool)
+        _check_type("preemption.checkpoint_dir", self.checkpoint_dir, str)
+        if self.handle_signals and not self.checkpoint_dir:
+            _fail("preemption.checkpoint_dir", self.checkpoint_dir,
+                  "preemption.handle_signals needs a directory to save the checkpoint in")
+
+
 _SECTIONS: dict[str, type] = {
     "tiers": Tiers,
     "precision": PrecisionConfig,
     "optimizer": OptimizerConfig,
     "io": IOConfig,
     "stage3": Stage3Config,
+    "preemption": PreemptionConfig,
 }
 
 
@@ -266,6 +284,7 @@ class Config(_Fields):
     clip_grad_norm: float = 0.0  # 0 disables clipping
     bucket_bytes: int = 32 * MiB
     overlap_step: bool = True
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, Mapping):  # Config({...}): the whole dict landed in the first field

@@ -21,6 +21,7 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.engine.param_groups import resolve as resolve_groups, runs as group_runs
 from zero_offload.engine.shard_optimizer import DTYPES, HandOverFailed
 from zero_offload.engine.weights_files import Weights
+from zero_offload.io import swap_files
 
 
 class Phase(Enum):
@@ -101,6 +102,10 @@ class Engine:
         self.stopped: str | None = None  # why training cannot go on until a load (see _require_loaded)
         self._hyper: list[tuple] | None = None  # hyperparameters when the last backward began
         self.closed = False
+        self._preemption: Any = None  # the signal handlers of preemption.handle_signals
+        # What the pre-emption checkpoint saves as client_state: a callable returning it, e.g.
+        # lambda: {"scheduler": scheduler.state_dict()}; None saves none.
+        self.preemption_client_state: Any = None
         if config.stage == 3:
             # The runtime materializes (meta models) and places the model unit by unit and
             # broadcasts rank 0's initial values itself: moving the whole model to the device
@@ -114,12 +119,16 @@ class Engine:
         # An engine dropped without close() still lets its threads, files and swap-folder locks go
         # (the runtime's threads hold the runtime, never the engine); at exit too.
         self._finalizer = weakref.finalize(self, self.runtime.close)
-        if groups is not None:
-            try:
+        try:
+            if groups is not None:
                 self._set_groups(*groups)
-            except BaseException:
-                self.close()
-                raise
+            if config.preemption.handle_signals:
+                from zero_offload.engine.preemption import PreemptionWatch
+
+                self._preemption = PreemptionWatch(self, config.preemption)
+        except BaseException:
+            self.close()
+            raise
 
     def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: Weights) -> None:
         """Stages 0-2: the whole model on the compute device in the compute dtype."""
@@ -287,6 +296,8 @@ class Engine:
             interrupt = self.runtime.shard_optimizer.take_interrupt()
             if interrupt is not None:  # the user pressed Ctrl-C: it reaches them (after any error, as its context)
                 raise interrupt
+        if self._preemption is not None:  # saves, closes and raises Preempted after a signal
+            self._preemption.at_boundary(self, self.preemption_client_state)
         return applied
 
     def _runtime_step(self) -> bool:
@@ -451,9 +462,19 @@ class Engine:
     def close(self) -> None:
         """Stop the engine's threads and remove its files (NVMe slots); the engine cannot be used
         afterwards. At stage 3 the module's parameters stay released: take
-        consolidated_state_dict() first to keep the weights."""
+        consolidated_state_dict() first to keep the weights. Idempotent. A swap file that cannot
+        be deleted raises `FilesLeft`, naming each file that remains on disk; calling close()
+        again tries again. The path is released however close() ends: a new engine on it reuses
+        or removes what is left, as after a crash."""
         self.closed = True
-        self._finalizer()
+        if self._preemption is not None:
+            self._preemption.restore()
+        try:
+            self._finalizer()  # the runtime's threads and files, once
+        except swap_files.FilesLeft:
+            pass  # named below, with any file an earlier close() left
+        finally:
+            swap_files.remove_left(self.config.nvme_paths)
 
 
 def initialize(model: torch.nn.Module, config: Config | dict | str | None = None, *, init_fn: Any = None,

@@ -24,6 +24,7 @@ from zero_offload.io import checksum
 from zero_offload.io.base import (AIOBackend, ChecksumError, FileRef, IOFuture, ThreadFuture, eof_error, file_label,
                                   io_error)
 from zero_offload.io.checksum import ChecksumView
+from zero_offload.io.threads import DaemonPool
 
 
 def _reopen_spec(file: FileRef, write: bool) -> tuple[str, int]:
@@ -55,7 +56,9 @@ class AiofilesAIO(AIOBackend):
 
     def __init__(self, *, threads: int = 4, queue_depth: int = 8, block_size: int = 8 << 20) -> None:
         super().__init__(threads=threads, queue_depth=queue_depth, block_size=block_size)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads * queue_depth, "zo-aiofiles")
+        # Not a ThreadPoolExecutor: those stop as the interpreter begins to exit, before the
+        # finalizer that closes an engine left open runs its last transfers (io/threads.py).
+        self._pool = DaemonPool(threads * queue_depth, "zo-aiofiles")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zo-aiofiles-loop", daemon=True)
         self._thread.start()
@@ -101,9 +104,14 @@ class AiofilesAIO(AIOBackend):
             checksums.set(index, await loop.run_in_executor(pool, checksum.compute, addr, nbytes))
         mode = "r+b" if write else "rb"
         try:
-            async with aiofiles.open(path, mode, buffering=0, opener=_opener(extra), executor=pool) as f:
+            # Not `async with`: its exit closes the file on the loop's default executor, a
+            # ThreadPoolExecutor, which refuses work once the interpreter begins to exit.
+            f = await aiofiles.open(path, mode, buffering=0, opener=_opener(extra), executor=pool)
+            try:
                 await f.seek(offset)
                 done = await AiofilesAIO._transfer(f, write, view)
+            finally:
+                await f.close()
         except OSError as exc:
             raise io_error("write" if write else "read", file, offset, exc.errno or errno.EIO) from exc
         if done < nbytes and write:

@@ -10,7 +10,7 @@ written or read (checkpoints record one per file: headers included, not only ten
 from __future__ import annotations
 
 import ctypes
-import functools
+import threading
 import zlib
 from typing import Any
 
@@ -21,15 +21,25 @@ from zero_offload import native
 _U32 = ctypes.c_uint32
 
 
-@functools.cache
+_lock = threading.Lock()
+_loaded: list[ctypes._CFuncPtr | None] = []  # [the function] once its signature is declared
+
+
 def _native_fn() -> ctypes._CFuncPtr | None:
-    lib = native.lib()
-    if lib is None:
-        return None
-    fn = lib.zo_checksum
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    fn.restype = _U32
-    return fn
+    """zo_checksum, published only once its argument and result types are set. The aiofiles
+    backend's threads make the first calls together: one that used the function before the
+    types were set passed the address as a C int and read the result as a signed one, so a
+    block written first recorded a checksum the read back could never match."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                lib = native.lib()
+                fn = None if lib is None else lib.zo_checksum
+                if fn is not None:
+                    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+                    fn.restype = _U32
+                _loaded.append(fn)
+    return _loaded[0]
 
 
 def algorithm() -> str:

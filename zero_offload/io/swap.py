@@ -29,7 +29,8 @@ from zero_offload.io.aio import open_backend
 from zero_offload.io.base import AIOBackend, ChainedFuture, ChecksumError, DoneFuture, IOFuture, ThreadFuture
 from zero_offload.io.buffers import ALIGN, BufferPool, aligned_empty, round_up
 from zero_offload.io.checksum import ChecksumTable
-from zero_offload.io.swap_files import SwapError, SwapFile, check_paths, check_space
+from zero_offload.io.swap_files import SwapError, SwapFile, check_paths, check_space, log, remove_files
+from zero_offload.io.threads import DaemonPool
 
 __all__ = ["Slot", "SwapError", "SwapStore"]
 
@@ -98,9 +99,9 @@ class SwapStore:
                 f.create(per_file, direct=io.direct)
             # inside the try: a failure here must not leave the files or the backend behind
             self._pool = BufferPool(budget, pin=torch.cuda.is_available())
-            self._bouncer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zo-swap-bounce")
+            self._bouncer = DaemonPool(2, "zo-swap-bounce")  # usable at exit too (io/threads.py)
         except BaseException:
-            _remove_files(self._files)
+            _quiet_remove(self._files)  # the error that stopped the constructor is the one to see
             if self._own_backend:
                 self.backend.close()
             raise
@@ -307,10 +308,13 @@ class SwapStore:
             raise ValueError("swap store is closed")
 
     def close(self) -> None:
-        """Finish in-flight I/O, stop the workers and delete the files."""
+        """Finish in-flight I/O, stop the workers and delete the files. A file that cannot be
+        deleted raises FilesLeft naming it; calling close() again tries again."""
         if not self._closed:
             self._closed = True
             self._finalizer()
+        else:
+            remove_files(self._files)
 
     def __enter__(self) -> "SwapStore":
         return self
@@ -368,15 +372,17 @@ def _quiet_wait(fut: IOFuture) -> None:
         pass
 
 
-def _remove_files(files: list[SwapFile]) -> None:
-    for f in files:
-        f.remove()
+def _quiet_remove(files: list[SwapFile]) -> None:
+    try:
+        remove_files(files)
+    except SwapError as exc:
+        log.warning("%s", exc)
 
 
 def _shutdown(files: list[SwapFile], backend: AIOBackend | None,
-              bouncer: concurrent.futures.ThreadPoolExecutor) -> None:
+              bouncer: concurrent.futures.Executor) -> None:
     """Order matters: bounced transfers submit I/O, the backend drains it, then files go."""
     bouncer.shutdown(wait=True)
     if backend is not None:
         backend.close()
-    _remove_files(files)
+    remove_files(files)

@@ -7,6 +7,10 @@ message either way; one whose owner still runs is refused. The manifest's pid ca
 up in this host's (this container's) process table, so the owner also holds an exclusive flock
 on swap.bin for the store's life: a process on another host sharing the path (NFS) or in another
 container on the same disk is refused too, instead of taking over or removing live files.
+Within this process, only an open store holds its directory (`_LIVE`): one a closed store could
+not delete (`_LEFT`, `FilesLeft`) is taken over like a crashed run's. While files are held,
+SIGTERM with its default action deletes them before it ends the process (`_SigtermGuard`;
+docs/faults.md).
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import json
 import logging
 import os
 import shutil
-from typing import Sequence
+import signal
+import threading
+from typing import Any, Sequence
 
 import psutil
 
@@ -117,7 +123,7 @@ class SwapFile:
         if not os.path.lexists(self.dir):
             return False
         old = _read_manifest(self.manifest_path)
-        if old is not None and _owner_alive(old):
+        if old is not None and _owner_alive(old) and not _closed_here(self.dir, old):
             who = (f"another engine of this process (pid {old['pid']}): close() it first" if old["pid"] == os.getpid()
                    else f"running process {old['pid']}")
             raise SwapError(errno.EBUSY, f"swap dir {self.dir} is in use by {who}")
@@ -125,11 +131,15 @@ class SwapFile:
             raise SwapError(errno.EBUSY, f"swap dir {self.dir} is in use by a process that holds its lock (pid "
                                          f"{(old or {}).get('pid')} in its manifest is not running here: another "
                                          "host or container?)")
+        left = _LEFT.pop(self.dir, None)
+        if left is not None:  # a closed store of this process could not remove it: now it is ours
+            left.owns_dir = False
+        origin = "a closed engine of this process" if left is not None else "a crashed run"
         why = self._mismatch(old)
         if why is None:
-            log.warning("reusing swap file %s left by a crashed run (pid %s)", self.path, old["pid"])
+            log.warning("reusing swap file %s left by %s (pid %s)", self.path, origin, old["pid"])
             return True
-        log.warning("removing swap dir %s left by a crashed run: %s", self.dir, why)
+        log.warning("removing swap dir %s left by %s: %s", self.dir, origin, why)
         shutil.rmtree(self.dir) if os.path.isdir(self.dir) and not os.path.islink(self.dir) else os.unlink(self.dir)
         return False
 
@@ -168,9 +178,11 @@ class SwapFile:
         except OSError as exc:
             raise SwapError(exc.errno, f"cannot create swap file {self.path}: {exc.strerror}") from None
         self.fd = fd
+        _LIVE[self.dir] = self  # before anything below can fail: remove() forgets it
         if self.direct:
             self._reopen_direct()
         self._lock()
+        _sigterm_guard.arm()
 
     def _lock(self) -> None:
         """An exclusive flock on the final fd, held until remove() closes it (see the module doc)."""
@@ -220,24 +232,140 @@ class SwapFile:
         os.replace(tmp, self.manifest_path)
 
     def remove(self) -> None:
-        """Close the file; delete it, its manifest and the directory (if nothing else is in it)
-        when the directory is ours (owns_dir), else there is nothing of ours on disk to delete."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close the file, releasing the path (its lock, and this process's claim on it) however
+        the rest ends; then delete the file, its manifest and the directory (if nothing else is
+        in it) when the directory is ours (owns_dir), else there is nothing of ours on disk to
+        delete. A file that cannot be deleted stays listed (`_LEFT`), and `FilesLeft` names it:
+        calling remove() again tries again; a new store on the path may take it over meanwhile."""
+        try:
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)
+        finally:
+            if _LIVE.get(self.dir) is self:
+                del _LIVE[self.dir]
+                _sigterm_guard.disarm_if_idle()
         if not self.owns_dir:
             return
-        for p in (self.path, self.manifest_path):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        failed = [f"{p} ({exc.strerror})" for p in (self.path, self.manifest_path) if (exc := _unlink(p)) is not None]
+        if failed:
+            _LEFT[self.dir] = self
+            raise FilesLeft(failed)
+        _LEFT.pop(self.dir, None)
+        self.owns_dir = False  # removed: a later remove() has nothing to do
         try:
             os.rmdir(self.dir)
         except FileNotFoundError:
             pass
         except OSError as exc:
             log.warning("swap dir %s not removed: %s", self.dir, exc.strerror)
+
+
+class FilesLeft(SwapError):
+    """Swap files close() could not delete: they remain on disk (the message names each one).
+    Calling close() again tries again."""
+
+    def __init__(self, failed: list[str]) -> None:
+        super().__init__(errno.EIO, f"could not remove swap file(s) {', '.join(failed)}: they remain on disk; "
+                                    "make their folder writable and call close() again to remove them")
+        self.failed = failed
+
+
+def _unlink(path: str) -> OSError | None:
+    """None when `path` is gone (or never was), else why it could not be deleted."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return exc
+    return None
+
+
+def remove_files(files: Sequence[SwapFile]) -> None:
+    """Try every file (one failure does not keep the others on disk), then one FilesLeft for all."""
+    failed: list[str] = []
+    for f in files:
+        try:
+            f.remove()
+        except FilesLeft as exc:
+            failed += exc.failed
+    if failed:
+        raise FilesLeft(failed)
+
+
+def remove_left(roots: Sequence[str]) -> None:
+    """Retry the files closed stores of this process could not delete under `roots` (nvme paths)."""
+    where = {os.path.abspath(os.path.expanduser(r)) for r in roots}
+    remove_files([f for d, f in list(_LEFT.items()) if os.path.dirname(d) in where])
+
+
+def _closed_here(directory: str, manifest: dict) -> bool:
+    """A directory whose manifest names this process but that no open store of it holds: left by
+    a store that was closed (its files could not be removed), so as free as a crashed run's."""
+    return manifest.get("pid") == os.getpid() and directory not in _LIVE
+
+
+# This process's swap directories: held by an open store; and closed but not yet deleted.
+_LIVE: dict[str, SwapFile] = {}
+_LEFT: dict[str, SwapFile] = {}
+
+
+class _SigtermGuard:
+    """SIGTERM's default action ends the process at once, atexit handlers and finalizers unrun,
+    and would leave every preallocated swap file on disk. While this process holds swap files,
+    and only where SIGTERM still has its default action (a handler someone installed is left in
+    place: it decides), this handler deletes them and then ends the process by the same signal,
+    as the default would have. Python runs it on the main thread between two bytecodes, where
+    that thread may hold any lock: it takes none and logs nothing. I/O still in flight on other
+    threads goes to files already unlinked, which the kernel frees when the process ends."""
+
+    def __init__(self) -> None:
+        self.installed = False
+
+    def arm(self) -> None:
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works on the main thread only; elsewhere SIGTERM stays as it is
+        current = signal.getsignal(signal.SIGTERM)
+        if current == self.handle:
+            self.installed = True
+        elif current is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self.handle)
+            self.installed = True
+
+    def disarm_if_idle(self) -> None:
+        """Give SIGTERM its default back once no swap file is held (if nobody replaced ours)."""
+        if not self.installed or _LIVE or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) == self.handle:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.installed = False
+
+    def handle(self, signum: int, frame: Any) -> None:
+        remove_now()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def remove_now() -> None:
+    """Delete every swap file this process holds or left, ignoring failures: the process is
+    about to end (see _SigtermGuard)."""
+    for f in list(_LIVE.values()) + list(_LEFT.values()):
+        if f.owns_dir:
+            for p in (f.path, f.manifest_path):
+                _unlink(p)
+            try:
+                os.rmdir(f.dir)
+            except OSError:
+                pass
+
+
+_sigterm_guard = _SigtermGuard()
+
+
+def is_sigterm_guard(handler: Any) -> bool:
+    """Whether `handler` is the swap files' SIGTERM handler (the default action, files removed first)."""
+    return handler == _sigterm_guard.handle
 
 
 def _locked(path: str) -> bool:
