@@ -113,3 +113,11 @@ def test_one_wording_for_the_range_of_a_beta(beta: float) -> None:
     assert _refused({"optimizer": {"betas": [0.9, beta]}}).endswith("expected a finite number in [0.0, 1.0)")
     ds = _refused({"zero_optimization": {"stage": 1}, "optimizer": {"params": {"betas": [beta, 0.999]}}})
     assert ds.endswith("expected a finite number in [0.0, 1.0)") and "optimizer.params.betas[0]" in ds
+
+
+def test_the_preemption_checkpoint_dir_is_capped_like_a_path() -> None:
+    from zero_offload import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"preemption.checkpoint_dir.*at most 4095 bytes") as info:
+        Config(preemption={"handle_signals": True, "checkpoint_dir": "d" * 50_000})
+    assert len(str(info.value)) < 600

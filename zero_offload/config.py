@@ -252,6 +252,9 @@ class PreemptionConfig(_Fields):
     def __post_init__(self) -> None:
         _check_type("preemption.handle_signals", self.handle_signals, bool)
         _check_type("preemption.checkpoint_dir", self.checkpoint_dir, str)
+        if len(os.fsencode(self.checkpoint_dir)) > MAX_PATH_BYTES or "\0" in self.checkpoint_dir:
+            _fail("preemption.checkpoint_dir", self.checkpoint_dir,
+                  f"expected a directory path of at most {MAX_PATH_BYTES} bytes, without NUL")
         if self.handle_signals and not self.checkpoint_dir:
             _fail("preemption.checkpoint_dir", self.checkpoint_dir,
                   "preemption.handle_signals needs a directory to save the checkpoint in")
