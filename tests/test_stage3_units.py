@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -491,4 +492,44 @@ def test_meta_multihead_attention_gets_its_own_initialization() -> None:
     rt = Stage3Runtime(model, config(unit_modules=["MultiheadAttention"]), CPU)
     sd = rt.consolidated_state_dict()
     assert float(sd["attn.in_proj_weight"].abs().sum()) > 0
+    rt.close()
+
+
+@pytest.mark.parametrize("leave", ["abandon", "finish_gather"])
+def test_a_ctrl_c_while_waiting_for_a_fetch_lets_it_finish_before_the_buffers_go(leave: str) -> None:
+    """Ctrl-C landed in the main thread's wait for a prefetch; the cleanup of the interrupted pass
+    then freed the unit's buffers while the prefetch thread still copied into them: a segfault in
+    about one stage-3 run in three without the native library. The wait now outlasts the Ctrl-C,
+    which is raised once the copy has ended."""
+    import threading
+
+    rt = Stage3Runtime(make_model(), config(), CPU)
+    u = rt.units[1]
+    u.begin_fetch()
+    copying, done = threading.Event(), threading.Event()
+
+    def fetch() -> None:
+        copying.set()
+        time.sleep(0.2)
+        u.fetch_local()
+        done.set()
+
+    worker = threading.Thread(target=fetch)
+    worker.start()
+    calls = []
+
+    def wait() -> None:
+        calls.append(done.is_set())
+        if len(calls) == 1:
+            copying.wait()
+            raise KeyboardInterrupt  # as Ctrl-C lands in Future.result()
+        worker.join()
+
+    u.set_pending(wait)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(u, leave)()
+    assert done.is_set() and calls == [False, False], calls
+    if u.state is UnitState.FETCHING:
+        u.abandon()
+    assert all(g.flat.untyped_storage().nbytes() == 0 for g in u.groups)
     rt.close()

@@ -180,7 +180,7 @@ class Unit:
         if self._pending is not None:
             wait, self._pending = self._pending, None
             start = time.perf_counter_ns()
-            wait()
+            _wait_through_interrupts(wait)
             tracer().add(f"wait {self.name}", "wait", start, time.perf_counter_ns())
         for g in self.groups:
             self._all_gather(g)
@@ -196,7 +196,7 @@ class Unit:
         try:
             if self._pending is not None:  # its read must end before the buffers go, even if it failed
                 wait, self._pending = self._pending, None
-                wait()
+                _wait_through_interrupts(wait)
         finally:
             self._free_storage()
             self.state = UnitState.SHARDED
@@ -335,3 +335,22 @@ class Unit:
         with tracer().span(f"reduce-scatter {self.name}", "comm"):
             comm.reduce_scatter_(shard, full)
         return shard
+
+
+def _wait_through_interrupts(wait: Callable[[], None]) -> None:
+    """wait() for a background fetch into a unit's buffers, then raise a Ctrl-C that came while
+    waiting: the prefetch thread is still copying into those buffers, and freeing them under it
+    (the cleanup that follows an interrupted pass) crashed the process."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
+            wait()
+            break
+        except KeyboardInterrupt as exc:  # the copy is bounded (one shard's read): wait it out
+            interrupted = exc
+        except BaseException as exc:  # the fetch failed: the user's Ctrl-C still comes first
+            if interrupted is not None:
+                raise interrupted from exc
+            raise
+    if interrupted is not None:
+        raise interrupted
