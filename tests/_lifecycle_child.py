@@ -2,7 +2,7 @@
 
     python tests/_lifecycle_child.py MODE WORKDIR [--preempt] [--backend KIND]
 
-MODE: `loop` trains until a signal ends it, writing WORKDIR/ready after two steps; `exit`
+MODE: `loop` trains until a signal (or Ctrl-C) ends it, writing WORKDIR/ready after two steps; `exit`
 trains three steps and returns without close(); `resume` loads WORKDIR/ckpt, checks its step
 count against WORKDIR/saved_steps, trains one more step and closes. Stage 3 with parameters and
 optimizer state on NVMe (WORKDIR/nvme), so a prefetch is in flight whenever a step ends.
