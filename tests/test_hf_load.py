@@ -196,32 +196,31 @@ def test_a_missing_stored_tensor_is_one_line_naming_it_and_the_folder(tmp_path: 
         from_pretrained(folder, _cfg(tmp_path))
 
 
-def test_an_unexpected_stored_layout_is_one_line_naming_the_tensor_and_the_folder(tmp_path: Any) -> None:
-    """One expert stored with another shape: transformers' stacking of the experts fails, and
-    the error is ours, naming the fused tensor, the stored ones and the folder."""
+def _edited_mixtral_folder(tmp_path: Any, edit: Callable[[dict], Any]) -> str:
+    """The eager Mixtral's save_pretrained folder with `edit` applied to its stored tensors."""
     from safetensors.torch import load_file, save_file
 
     folder = str(tmp_path / "mixtral")
     _eager(_mixtral).save_pretrained(folder)
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
-    key = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
-    tensors[key] = tensors[key][:-1].clone()
+    edit(tensors)
     save_file(tensors, path)
+    return folder
+
+
+def test_an_unexpected_stored_layout_is_one_line_naming_the_tensor_and_the_folder(tmp_path: Any) -> None:
+    """One expert stored with another shape: transformers' stacking of the experts fails, and
+    the error is ours, naming the fused tensor, the stored ones and the folder."""
+    key = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    folder = _edited_mixtral_folder(tmp_path, lambda t: t.update({key: t[key][:-1].clone()}))
     with pytest.raises(ValueError, match=f"weights file {folder}: cannot build 'model.layers.1.mlp.experts.gate_up_proj'"
                                          r" from 'model\.layers\.1\.block_sparse_moe\.experts\.0\.w1\.weight' and 7 more"):
         from_pretrained(folder, _cfg(tmp_path))
 
 
 def test_one_expert_missing_is_a_shape_error_naming_the_fused_tensor(tmp_path: Any) -> None:
-    from safetensors.torch import load_file, save_file
-
-    folder = str(tmp_path / "mixtral")
-    _eager(_mixtral).save_pretrained(folder)
-    path = os.path.join(folder, "model.safetensors")
-    tensors = load_file(path)
-    del tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
-    save_file(tensors, path)
+    folder = _edited_mixtral_folder(tmp_path, lambda t: t.pop("model.layers.0.block_sparse_moe.experts.3.w2.weight"))
     with pytest.raises(ValueError, match=f"weights file {folder}: 'model.layers.0.mlp.experts.down_proj' has shape "
                                          r"\(3, 32, 64\), the model expects \(4, 32, 64\)"):
         from_pretrained(folder, _cfg(tmp_path))

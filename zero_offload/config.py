@@ -18,6 +18,7 @@ import difflib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -40,6 +41,17 @@ MAX_PATHS = 256
 MAX_NAME = 256  # one module class name
 MAX_NAMES = 4096
 SHOWN = 200  # the most characters of a value an error message quotes
+
+
+def user_stacklevel() -> int:
+    """For the function calling warnings.warn (level 1), the stacklevel of the first frame outside
+    the zero_offload package, so the warning shows the user's line (initialize, from_file,
+    ZeroOffloadTrainer(...)), whichever of our entry points it came through."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def shown(value: Any) -> str:

@@ -34,12 +34,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import warnings
 from dataclasses import fields
 from typing import Any, Callable, Mapping
 
-from zero_offload.config import SHOWN, Config, ConfigError, shown
+from zero_offload.config import SHOWN, Config, ConfigError, shown, user_stacklevel
 
 _FLAG, _COUNT = "true or false", "an integer >= 0"  # the kinds of value an unmapped key must hold
 # Accepted without effect, type-checked (kind; None: unchecked, as DeepSpeed's logging keys always
@@ -288,18 +287,7 @@ def _warn_unused(keys: list[str]) -> None:
     """One warning for a config read, naming every key that did nothing."""
     if keys:
         warnings.warn(f"DeepSpeed key(s) accepted without effect, as they change nothing zero_offload stores or "
-                      f"computes: {', '.join(keys)}", IgnoredDeepSpeedKeys, stacklevel=_outside_us())
-
-
-def _outside_us() -> int:
-    """For the function calling warnings.warn (level 1), the stacklevel of the first frame outside
-    this package, so the warning shows the user's line (initialize, from_file), whichever of our
-    entry points it came through."""
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
-        level, frame = level + 1, frame.f_back
-    return level
+                      f"computes: {', '.join(keys)}", IgnoredDeepSpeedKeys, stacklevel=user_stacklevel())
 
 
 def _bad(key: str, value: Any, expected: str) -> ConfigError:

@@ -262,7 +262,7 @@ class SafetensorsFile(Mapping[str, torch.Tensor]):
             self._file = safe_open(path, framework="pt", device="cpu")
             self._names = list(self._file.keys())
         except Exception as exc:
-            raise ValueError(f"weights file {path} is not a readable safetensors file ({_one_line(exc)})") from None
+            raise ValueError(f"weights file {path} is not a readable safetensors file ({one_line(exc)})") from None
         self._known = set(self._names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -271,7 +271,7 @@ class SafetensorsFile(Mapping[str, torch.Tensor]):
         try:
             return self._file.get_tensor(name)
         except Exception as exc:
-            raise ValueError(f"weights file {self.path}: cannot read '{name}' ({_one_line(exc)})") from None
+            raise ValueError(f"weights file {self.path}: cannot read '{name}' ({one_line(exc)})") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._known
@@ -283,7 +283,7 @@ class SafetensorsFile(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

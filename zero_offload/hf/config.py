@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 import os
 import warnings
 from typing import Any, Mapping
 
-from zero_offload.config import Config, ConfigError, parse_json
+from zero_offload.config import Config, ConfigError, parse_json, user_stacklevel
 from zero_offload.deepspeed_compat import is_deepspeed
 
 AUTO = "auto"
@@ -56,17 +55,6 @@ def training_values(args: Any) -> dict[str, tuple[Any, str]]:
         "clip_grad_norm": (max(0.0, _max_grad_norm(args)), "max_grad_norm"),  # Trainer: <= 0 is no clipping
         "precision.dtype": (_dtype(args), "bf16/fp16"),
     }
-
-
-def _user_stacklevel() -> int:
-    """warnings.warn's stacklevel, for the function that calls both, of the first frame outside the
-    zero_offload package: the warning then names the user's line (ZeroOffloadTrainer(...) or resolve)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    here = inspect.currentframe()
-    level, frame = 1, here.f_back if here is not None else None  # the caller's frame is level 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        level, frame = level + 1, frame.f_back
-    return level
 
 
 def _ds_values(args: Any) -> dict[str, tuple[Any, str, bool]]:
@@ -166,7 +154,7 @@ def _drop_scheduler(data: dict, args: Any) -> None:
     warnings.warn(f"DeepSpeed scheduler {kind} is not run: ZeroOffloadTrainer uses TrainingArguments' "
                   f"lr_scheduler_type={str(getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type))!r} "
                   f"with warmup_steps={args.warmup_steps} on engine.optimizer", UserWarning,
-                  stacklevel=_user_stacklevel())
+                  stacklevel=user_stacklevel())
 
 
 def _from_deepspeed(data: Mapping[str, Any], args: Any, model: Any) -> Config:

@@ -25,7 +25,7 @@ from torch import nn
 
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.engine import Engine, initialize
-from zero_offload.engine.weights_files import open_weights
+from zero_offload.engine.weights_files import one_line, open_weights
 
 
 class _Job:
@@ -130,7 +130,7 @@ class ConvertedWeights:
             out = transform.convert(job.first, model=self.model, config=getattr(self.model, "config", None))
         except Exception as exc:
             raise ValueError(f"weights file {self.where}: cannot build '{job.first}' from {self._stored(job)} "
-                             f"through transformers' {type(job.template).__name__} ({_one_line(exc)}); is the "
+                             f"through transformers' {type(job.template).__name__} ({one_line(exc)}); is the "
                              "folder the model's checkpoint?") from None
         return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
 
@@ -138,11 +138,6 @@ class ConvertedWeights:
     def _stored(job: _Job) -> str:
         names = [key for _, key in job.sources]
         return f"'{names[0]}'" + (f" and {len(names) - 1} more stored tensors" if len(names) > 1 else "")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _zo_config(spec: Config | Mapping[str, Any] | str | None) -> Config:
