@@ -28,8 +28,8 @@ from models import GPT  # noqa: E402
 
 from zero_offload import trace  # noqa: E402
 from zero_offload.config import Config  # noqa: E402
-from zero_offload.engine.materialize import default_init  # noqa: E402
-from zero_offload.engine.stage3 import Stage3Runtime  # noqa: E402
+from zero_offload.engine.model.materialize import default_init  # noqa: E402
+from zero_offload.engine.stage3.runtime import Stage3Runtime  # noqa: E402
 
 GiB = 2**30
 

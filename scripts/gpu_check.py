@@ -403,7 +403,7 @@ def _overlap_engines(nvme: str, d: int, layers: int) -> dict[str, zero_offload.e
 
 def _adam_only(engine: zero_offload.engine.engine.Engine) -> Callable[[], None]:
     """The host Adam over the same shard sizes as the engine's buckets, with nothing else running."""
-    from zero_offload.engine.step import HostAdam, Scalars
+    from zero_offload.engine.step.pipeline import HostAdam, Scalars
 
     adam, s = HostAdam(0), Scalars(1, 1e-4, 0.9, 0.999, 1e-8, 0.01, True)
     shards = [(torch.randn(n), torch.randn(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n),

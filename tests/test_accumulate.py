@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.accumulate import Accumulator
+from zero_offload.engine.step.accumulate import Accumulator
 from zero_offload.store import make_store
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero_offload.engine.grads import SMALL_MAX, make_buckets
+from zero_offload.engine.buckets.grads import SMALL_MAX, make_buckets
 
 
 def _named(*sizes: int) -> list[tuple[str, nn.Parameter]]:

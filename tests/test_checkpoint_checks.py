@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import zero_offload
-from zero_offload.engine.checkpoint import CheckpointError
+from zero_offload.engine.state.checkpoint import CheckpointError
 from zero_offload.engine.engine import Engine, EngineStateError
 from _engine_model import batch, make_model
 
@@ -244,7 +244,7 @@ def test_a_checkpoint_one_rank_refuses_is_refused_by_every_rank(tmp_path: object
 
 def test_sub_shard_step_counts_survive_a_save(tmp_path: object) -> None:
     from zero_offload.config import Config
-    from zero_offload.engine.shard_optimizer import ShardOptimizer
+    from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
     def config(name: str) -> Config:
         os.makedirs(os.path.join(str(tmp_path), name))
@@ -263,7 +263,7 @@ def test_sub_shard_step_counts_survive_a_save(tmp_path: object) -> None:
 
 
 def _save_fails_on_one_rank(rank: int, world: int, tmp: str) -> None:
-    from zero_offload.engine import checkpoint
+    from zero_offload.engine.state import checkpoint
 
     engine = _engine()
     _train(engine, range(2))

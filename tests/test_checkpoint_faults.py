@@ -21,8 +21,8 @@ import torch
 
 import zero_offload
 from _engine_model import batch, make_model
-from zero_offload.engine import manifest_checks
-from zero_offload.engine.checkpoint import CheckpointError
+from zero_offload.engine.state import manifest_checks
+from zero_offload.engine.state.checkpoint import CheckpointError
 from zero_offload.engine.engine import Engine
 from zero_offload.io import checksum
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_checkpoint_checks import _engine, _same, _train, _weights
-from zero_offload.engine.checkpoint import CheckpointError
+from zero_offload.engine.state.checkpoint import CheckpointError
 
 
 def _saved(tmp_path: object) -> tuple[str, dict]:

@@ -28,7 +28,7 @@ def _train(engine: object, rank: int, world: int, steps: range) -> None:
 
 
 def _save_to_node_local_dirs(rank: int, world: int, stage: int, tmp: str) -> None:
-    from zero_offload.engine.checkpoint import CheckpointError
+    from zero_offload.engine.state.checkpoint import CheckpointError
 
     engine = _engine(stage)
     _train(engine, rank, world, range(1))
@@ -51,7 +51,7 @@ def _load_different_copies(rank: int, world: int, tmp: str) -> None:
     import torch
 
     from zero_offload import comm
-    from zero_offload.engine.checkpoint import CheckpointError
+    from zero_offload.engine.state.checkpoint import CheckpointError
 
     engine = _engine(1)
     shared = os.path.join(tmp, "shared")

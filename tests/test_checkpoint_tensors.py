@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import zero_offload
-from zero_offload.engine import checkpoint
-from zero_offload.engine.checkpoint import CheckpointError
+from zero_offload.engine.state import checkpoint
+from zero_offload.engine.state.checkpoint import CheckpointError
 
 
 class Odd(nn.Module):

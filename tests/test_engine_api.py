@@ -13,7 +13,7 @@ import torch
 
 import zero_offload
 from zero_offload.engine.engine import EngineStateError
-from zero_offload.engine.runtime import UPDATED_ROW
+from zero_offload.engine.buckets.runtime import UPDATED_ROW
 from _engine_model import batch, make_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,7 +165,7 @@ def test_sigkill_inside_save_leaves_previous_checkpoint_loadable(tmp_path) -> No
 
 
 def test_load_refuses_a_missing_checkpoint(tmp_path) -> None:
-    from zero_offload.engine.checkpoint import CheckpointError
+    from zero_offload.engine.state.checkpoint import CheckpointError
 
     engine = _engine()
     with pytest.raises(CheckpointError, match="no checkpoint at .*: manifest.json is missing"):

@@ -1,4 +1,4 @@
-"""The model streamed out of the engine in Hugging Face format (engine/export.py, hf/save.py).
+"""The model streamed out of the engine in Hugging Face format (engine/state/export.py, hf/save.py).
 
 The oracles: transformers' from_pretrained (and PEFT's PeftModel.from_pretrained) must load what
 we write and give the trained engine's logits exactly; transformers' own save_pretrained of the
@@ -26,8 +26,8 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 import zero_offload  # noqa: E402
 from _hf import Tokens, tiny_llama, training_args  # noqa: E402
-from zero_offload.engine import export  # noqa: E402
-from zero_offload.engine.export import ExportError, SafetensorsWriter, Spec, split_files  # noqa: E402
+from zero_offload.engine.state import export  # noqa: E402
+from zero_offload.engine.state.export import ExportError, SafetensorsWriter, Spec, split_files  # noqa: E402
 from zero_offload.hf import ZeroOffloadTrainer, save_pretrained  # noqa: E402
 
 UNITS = {"unit_modules": ["LlamaDecoderLayer"]}  # the default unit choice for PEFT is fixed elsewhere
@@ -268,7 +268,7 @@ def test_trainer_saves_only_the_lora_adapters_in_pefts_format(tmp_path: Any, mon
     gives the trained engine's logits."""
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
-    from zero_offload.engine.unit import Unit
+    from zero_offload.engine.stage3.unit import Unit
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     trainer = ZeroOffloadTrainer(model=get_peft_model(tiny_llama(), lora), args=training_args(

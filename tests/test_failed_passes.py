@@ -229,7 +229,7 @@ def test_a_bucket_whose_hand_over_failed_counts_as_reduced(tmp_path: object, mon
     """Its launch had taken the bucket's partial sum before the hand-over to the step raised;
     the reducer said nothing was reduced yet, and the retried boundary stepped that bucket with
     one micro-batch of two."""
-    from zero_offload.engine.shard_optimizer import ShardOptimizer
+    from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
     engine = _engine(1, str(tmp_path), gradient_accumulation_steps=2, clip_grad_norm=1.0)
     _train(engine, range(2))
@@ -256,7 +256,7 @@ def _backward_failing_beside_a_failed_read_ahead(engine: Engine, layer: Layer, s
     """`layer`'s backward raises while every read ahead of the prefetch thread fails too."""
     import threading
 
-    from zero_offload.engine import unit as unit_mod
+    from zero_offload.engine.stage3 import unit as unit_mod
 
     real, armed = unit_mod.Unit.fetch_local, []
 
@@ -309,7 +309,7 @@ def test_a_failure_while_the_leftover_buckets_are_reduced_is_a_failed_backward(m
     """end_backward() reduces what got no gradient outside autograd: a failure there left the
     engine in BACKWARD, not stopped, and step() went on with partial sums holding part of the
     micro-batch (a review of the fix)."""
-    from zero_offload.engine.accumulate import Accumulator
+    from zero_offload.engine.step.accumulate import Accumulator
 
     engine = zero_offload.initialize(_WithUnused(), dict(stage=1, tiers={"optimizer": "cpu", "grads": "cpu"},
                                                          bucket_bytes=D * D * 4, gradient_accumulation_steps=2))
@@ -365,7 +365,7 @@ def test_an_interrupted_boundary_step_inside_accumulation_stops_the_engine(tmp_p
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Only an Exception stopped it: after a Ctrl-C in step() the next micro-batch was the
     boundary again and stepped alone at half scale (a review of the fix)."""
-    from zero_offload.engine import step as step_mod
+    from zero_offload.engine.step import pipeline as step_mod
 
     engine = _engine(1, str(tmp_path), gradient_accumulation_steps=2, clip_grad_norm=100.0)
     _train(engine, range(2))

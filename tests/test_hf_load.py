@@ -332,7 +332,7 @@ def test_each_stored_tensor_is_read_once_in_module_order(tmp_path: Any, monkeypa
     """Streaming: every stored tensor read once (Dinov2's weights_in once for its two module
     tensors), layer 0's before layer 1's."""
     import zero_offload.hf.load as load
-    from zero_offload.engine.weights_files import open_weights
+    from zero_offload.engine.model.weights_files import open_weights
 
     folder = str(tmp_path / "dinov2")
     _eager(_dinov2).save_pretrained(folder, max_shard_size="30KB")

@@ -263,7 +263,7 @@ def test_ctrl_c_without_close_prints_only_the_interrupt(tmp_path: Path) -> None:
     """The issue saw "cannot schedule new futures" tracebacks after the KeyboardInterrupt's own
     at most Ctrl-C exits without the native library; and the prefetch thread's copy into a unit
     the interrupted pass had freed crashed such a run about one time in three (fixed in
-    engine/unit.py; tests/test_stage3_units.py pins it deterministically). A guard at this timing."""
+    engine/stage3/unit.py; tests/test_stage3_units.py pins it deterministically). A guard at this timing."""
     rc, err = _terminate(_start_training(tmp_path, env={"ZERO_OFFLOAD_NATIVE": "0"}), signal.SIGINT)
     assert rc == -signal.SIGINT, err  # Python ends an uncaught KeyboardInterrupt by SIGINT
     assert err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import zero_offload
-from zero_offload.engine import meta_buffers
+from zero_offload.engine.model import meta_buffers
 
 CFG = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
        "optimizer": {"lr": 1e-2, "weight_decay": 0.0}}
@@ -167,7 +167,7 @@ def test_batchnorm_statistics_come_from_the_weights_or_its_constructor(tmp_path:
     sd["bn.running_mean"], sd["bn.running_var"], sd["bn.num_batches_tracked"] = \
         torch.arange(4.0), torch.full((4,), 3.0), torch.tensor(17)
     path = os.path.join(str(tmp_path), "w.safetensors")
-    zero_offload.engine.weights_files.save_safetensors(sd, path)
+    zero_offload.engine.model.weights_files.save_safetensors(sd, path)
     with torch.device("meta"):
         model = Plain()
     engine = zero_offload.initialize(model, _cfg("Linear"), weights=path)
@@ -176,7 +176,7 @@ def test_batchnorm_statistics_come_from_the_weights_or_its_constructor(tmp_path:
     engine.close()
 
     sd["bn.running_mean"] = torch.zeros(5)
-    zero_offload.engine.weights_files.save_safetensors(sd, path)
+    zero_offload.engine.model.weights_files.save_safetensors(sd, path)
     with torch.device("meta"):
         model = Plain()
     with pytest.raises(ValueError, match=r"buffer 'bn.running_mean' has shape \(5,\), the model expects \(4,\)"):

@@ -212,7 +212,7 @@ def test_variants_skip_what_has_no_gradient(name: str, tmp_path: Any) -> None:
 def test_every_parameter_with_a_gradient_keeps_one_kernel_call_per_job_and_the_overlap(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The common case is untouched: no runs built, buckets stepped during backward."""
-    from zero_offload.engine import step as step_mod
+    from zero_offload.engine.step import pipeline as step_mod
 
     calls = {"whole": 0, "runs": 0}
     whole, runs = step_mod.HostAdam.__call__, step_mod.HostAdam.segments
@@ -252,7 +252,7 @@ def test_sub_shard_runs_and_checkpoint_scalars(tmp_path: Any) -> None:
     after, bias-corrected at its own count; lagging() saves it and load_scalars restores it
     (a checkpoint without it, from before per-parameter counts, loads as all at one count)."""
     from zero_offload.config import Config
-    from zero_offload.engine.shard_optimizer import ShardOptimizer
+    from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
     def opt_in(name: str) -> ShardOptimizer:
         os.makedirs(tmp_path / name)
@@ -292,7 +292,7 @@ def test_sub_shard_runs_and_checkpoint_scalars(tmp_path: Any) -> None:
 def test_runs_at_their_own_step_counts_leave_the_gaps_alone(kernel: str) -> None:
     """Each run is stepped as adam_step_flat at its own count; elements in no run keep their
     master and moments, and the updated copy takes the master's values there."""
-    from zero_offload.engine.step import DeviceAdam, HostAdam, Scalars
+    from zero_offload.engine.step.pipeline import DeviceAdam, HostAdam, Scalars
     from zero_offload.optim.flat import adam_step_flat
 
     g = torch.Generator().manual_seed(5)

@@ -10,7 +10,7 @@ import torch
 
 from adam_reference import isa_params
 from zero_offload.config import Config
-from zero_offload.engine.shard_optimizer import ShardOptimizer
+from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 from zero_offload.optim import _native_adam
 from zero_offload.optim.flat import NonFiniteUpdate, adam_step_flat, adam_step_runs
 

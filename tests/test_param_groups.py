@@ -145,7 +145,7 @@ def test_optimizer_exposes_one_param_group_per_group() -> None:
 
 def _resume_rank(rank: int, world: int) -> None:
     import zero_offload
-    from zero_offload.engine.checkpoint import CheckpointError
+    from zero_offload.engine.state.checkpoint import CheckpointError
     from _engine_model import batch, make_model
 
     def step(engine: object, i: int) -> float:

@@ -86,7 +86,7 @@ def test_peer_that_raises_and_stays_silent_in_backward_times_out_in_our_words() 
 
 
 def _dies_in_step(rank: int, world: int) -> None:
-    from zero_offload.engine import step as step_mod
+    from zero_offload.engine.step import pipeline as step_mod
 
     engine = _engine(1, overlap=False)  # the kernel runs in engine.step(), not during backward
     _train_one(engine)

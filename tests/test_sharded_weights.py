@@ -11,8 +11,8 @@ import torch
 import zero_offload
 from _stage3_model import make_model
 from test_stage3_engine import _train
-from zero_offload.engine import materialize
-from zero_offload.engine.materialize import save_safetensors
+from zero_offload.engine.model import materialize
+from zero_offload.engine.model.materialize import save_safetensors
 
 CFG = {"stage": 3, "tiers": {"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
        "stage3": {"unit_modules": ["Block3"], "live_budget_bytes": 30000},

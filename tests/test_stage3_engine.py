@@ -148,7 +148,7 @@ def test_a_failed_streamed_update_write_is_reported_and_close_cleans_up(tmp_path
 
 
 def test_checkpoint_with_other_frozen_parameters_is_refused(tmp_path: object) -> None:
-    from zero_offload.engine.checkpoint import CheckpointError
+    from zero_offload.engine.state.checkpoint import CheckpointError
 
     weights, _ = _two_weight_files(str(tmp_path))
     ckpt = os.path.join(str(tmp_path), "ckpt")

@@ -44,8 +44,8 @@ def run_one(params: str, opt: str, rank: int, world: int, nvme_dir: str, swap: i
     from _stage3_model import make_model, max_rel_err, reference, train_runtime
     from zero_offload import comm
     from zero_offload.config import Config
-    from zero_offload.engine.stage3 import Stage3Runtime
-    from zero_offload.engine.unit import UnitState
+    from zero_offload.engine.stage3.runtime import Stage3Runtime
+    from zero_offload.engine.stage3.unit import UnitState
 
     cfg = Config(stage=3, tiers={"params": params, "optimizer": opt, "grads": opt}, 
                  stage3={"unit_modules": ["Block3"], "live_budget_bytes": BUDGET, "prefetch_depth": 2,
@@ -103,7 +103,7 @@ def test_stage3_order_change_mid_run(combo: tuple[str, str]) -> None:
 def _diverging_ranks(rank: int, world: int) -> None:
     from _stage3_model import batch, make_model
     from zero_offload.config import Config
-    from zero_offload.engine.stage3 import Stage3Runtime
+    from zero_offload.engine.stage3.runtime import Stage3Runtime
 
     cfg = Config(stage=3, tiers={"params": "cpu", "optimizer": "cpu", "grads": "cpu"},
                  stage3={"unit_modules": ["Block3"], "live_budget_bytes": BUDGET})

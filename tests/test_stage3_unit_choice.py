@@ -1,4 +1,4 @@
-"""Stage 3's default unit choice (engine/unit_policy.py) on the models people bring: one unit per
+"""Stage 3's default unit choice (engine/stage3/policy.py) on the models people bring: one unit per
 block of a layer stack, wrappers (PEFT) descended through, an MoE layer's per-expert modules kept
 in one unit (so ranks that route their tokens to different experts gather the same units), the
 report of a unit whose root never runs, and stage3.leaf_modules (DeepSpeed's leaf_module.classes)."""
@@ -16,7 +16,7 @@ import zero_offload
 from _dist import run_ranks
 from _stage3_model import max_rel_err
 from zero_offload.config import Config, ConfigError, Stage3Config
-from zero_offload.engine.unit_policy import plan_units
+from zero_offload.engine.stage3.policy import plan_units
 
 CPU_TIERS = {"params": "cpu", "optimizer": "cpu", "grads": "cpu"}
 

@@ -1,4 +1,4 @@
-"""The staging ring (engine/staging.py): read-ahead into regions sized to each shard, a prefetch
+"""The staging ring (engine/step/staging_ring.py): read-ahead into regions sized to each shard, a prefetch
 thread that never overwrites a region in use, any stepping order served, failures reported."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.staging import ALIGN, PARTS, RegionState, StagingRing, span
+from zero_offload.engine.step.staging_ring import ALIGN, PARTS, RegionState, StagingRing, span
 from zero_offload.store import make_store
 from zero_offload.store.base import Handle, Store
 
@@ -369,7 +369,7 @@ def test_a_dead_prefetch_thread_fails_acquire_instead_of_hanging(tmp_path: Path,
 def test_the_ring_budget(tmp_path: Path) -> None:
     """Sized by pinned_budget_bytes, capped at what every shard needs, never below the largest
     shard; a budget below three of the largest is warned about (no overlap then)."""
-    from zero_offload.engine.step import StateAccess
+    from zero_offload.engine.step.pipeline import StateAccess
 
     store = _store(tmp_path)
     access = StateAccess(store, budget_bytes=100 * 4 * ALIGN)
@@ -386,7 +386,7 @@ def test_the_ring_budget(tmp_path: Path) -> None:
 def test_a_larger_shard_registered_later_replaces_the_ring(tmp_path: Path) -> None:
     """The ring is sized when first used; a shard added afterwards that does not fit gets a new
     ring (the old one's thread stopped), and the new one holds it."""
-    from zero_offload.engine.step import StateAccess
+    from zero_offload.engine.step.pipeline import StateAccess
 
     store = _store(tmp_path)
     _fill(store, {"a": ALIGN, "b": 8 * ALIGN})

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine import step as step_mod
-from zero_offload.engine.shard_optimizer import ShardOptimizer
+from zero_offload.engine.step import pipeline as step_mod
+from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
 
 def _fail_kernel_call(monkeypatch: pytest.MonkeyPatch, which: int) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 import zero_offload
 from zero_offload.config import Config
-from zero_offload.engine import step as step_mod
+from zero_offload.engine.step import pipeline as step_mod
 from zero_offload.engine.engine import EngineStateError
 
 WAIT_S = 5.0  # a bound on every wait: a broken fix fails instead of hanging
@@ -270,7 +270,7 @@ def test_save_refuses_shards_that_stand_at_different_steps(tmp_path: Path) -> No
     """Defence in depth: a backward that fails after the overlapped step took the last layer's
     shard leaves that shard a step ahead of the other, and the engine going (as designed). The
     save used to write that mixture; it refuses, in one line naming the shards and their steps."""
-    from zero_offload.engine.checkpoint import CheckpointError
+    from zero_offload.engine.state.checkpoint import CheckpointError
 
     eng = zero_offload.initialize(_FailsInBackward(), dict(stage=2, tiers={"optimizer": "cpu", "grads": "cpu"},
                                                           precision={"dtype": "fp32"}, bucket_bytes=WIDTH * WIDTH * 4))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.step import Job, Scalars, StateAccess, StepPipeline
+from zero_offload.engine.step.pipeline import Job, Scalars, StateAccess, StepPipeline
 from zero_offload.store import make_store
 
 WAIT_S = 10.0  # a bound on every wait below: a broken hand-over fails instead of hanging CI

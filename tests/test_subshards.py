@@ -1,4 +1,4 @@
-"""Sub-shards (engine/subshards.py): a shard larger than a third of the staging ring is stepped sub-shard by
+"""Sub-shards (engine/step/subshards.py): a shard larger than a third of the staging ring is stepped sub-shard by
 sub-shard on the nvme tier, with the same result, bit for bit, as stepping it whole."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.subshards import subshard_limit, split
-from zero_offload.engine.shard_optimizer import ShardOptimizer
-from zero_offload.engine.staging import ALIGN
+from zero_offload.engine.step.subshards import subshard_limit, split
+from zero_offload.engine.step.shard_optimizer import ShardOptimizer
+from zero_offload.engine.step.staging_ring import ALIGN
 
 
 def test_split_covers_the_shard_in_aligned_subshards() -> None:

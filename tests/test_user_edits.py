@@ -285,7 +285,7 @@ def test_parameters_sharing_a_base_are_not_taken_for_edited(tier: str, tmp_path:
     """One bucket's install (a copy into a view) bumped the version counter the other bucket's
     parameters share after that bucket was stamped: both were re-seeded every step, a state
     read and write each (a review)."""
-    from zero_offload.engine.runtime import BucketRuntime
+    from zero_offload.engine.buckets.runtime import BucketRuntime
 
     reseeds = []
     real = BucketRuntime._reseed

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import zero_offload
-from zero_offload.engine import weights_files
+from zero_offload.engine.model import weights_files
 
 NAMES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
          "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64",
@@ -45,7 +45,7 @@ def test_every_dtype_reads_back_bit_for_bit(tmp_path: object, writer: str) -> No
         tensors[f"{name}.empty"] = _random(dtype, (0, 4), 0)
     path = os.path.join(str(tmp_path), "all.safetensors")
     (save_file if writer == "safetensors.torch" else weights_files.save_safetensors)(tensors, path)
-    got = zero_offload.engine.weights_files.open_weights(path)
+    got = zero_offload.engine.model.weights_files.open_weights(path)
     assert set(got) == set(tensors) and len(got) == len(tensors)
     for k, want in tensors.items():
         t = got[k]

@@ -231,7 +231,7 @@ class Stage3Config(_Fields):
     live_budget_bytes caps the gathered compute copies alive at once (prefetched ones included).
     unit_modules names module classes that each form a unit (e.g. "Block"); with none, each item
     of a repeated stack of blocks is a unit, and other modules are grouped up to unit_bytes
-    (engine/unit_policy.py). leaf_modules names classes whose whole subtree is one unit (an MoE
+    (engine/stage3/policy.py). leaf_modules names classes whose whole subtree is one unit (an MoE
     layer, whose router picks different experts on different ranks), with or without
     unit_modules. Parameters of units smaller than resident_bytes stay on the device, gathered once.
     """

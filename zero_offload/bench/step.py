@@ -209,7 +209,7 @@ def _shard_sizes(engine: object) -> list[int]:
 
 
 def _adam_only(sizes: list[int], threads: int) -> Callable[[], None]:
-    from zero_offload.engine.step import HostAdam, Scalars
+    from zero_offload.engine.step.pipeline import HostAdam, Scalars
 
     kernel = HostAdam(threads)
     state = [(torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)) for n in sizes]

@@ -2,8 +2,8 @@
 
 The Engine owns the order of calls (IDLE → FORWARD → BACKWARD → STEP → IDLE), the micro-batch
 count that decides the gradient-accumulation boundary, and the fp16 loss scale applied in
-backward. Everything that differs between ZeRO stages sits behind a runtime (runtime.py for
-stages 0-2, Stage3Runtime in stage3.py for stage 3) with one interface.
+backward. Everything that differs between ZeRO stages sits behind a runtime (BucketRuntime in
+buckets/runtime.py for stages 0-2, Stage3Runtime in stage3/runtime.py for stage 3) with one interface.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
-from zero_offload.engine.param_groups import resolve as resolve_groups, runs as group_runs
-from zero_offload.engine.shard_optimizer import DTYPES, HandOverFailed
-from zero_offload.engine.weights_files import Weights
+from zero_offload.engine.step.param_groups import resolve as resolve_groups, runs as group_runs
+from zero_offload.engine.step.shard_optimizer import DTYPES, HandOverFailed
+from zero_offload.engine.model.weights_files import Weights
 from zero_offload.io import swap_files
 
 
@@ -110,7 +110,7 @@ class Engine:
             # The runtime materializes (meta models) and places the model unit by unit and
             # broadcasts rank 0's initial values itself: moving the whole model to the device
             # first would defeat stage 3.
-            from zero_offload.engine.stage3 import Stage3Runtime
+            from zero_offload.engine.stage3.runtime import Stage3Runtime
 
             self.module = model
             self.runtime: Any = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
@@ -141,7 +141,7 @@ class Engine:
         if meta is not None:
             raise ConfigError(f"initialize: buffer '{meta}' is on the meta device (it has no value); build the "
                               "module that registers it for real, or use stage 3, which computes such buffers")
-        from zero_offload.engine.runtime import BucketRuntime
+        from zero_offload.engine.buckets.runtime import BucketRuntime
 
         self.module = model.to(self.device, self.dtype)
         self._broadcast_initial_state()
@@ -352,7 +352,7 @@ class Engine:
         fit stage3.live_budget_bytes); elsewhere parameters are whole anyway. With `modify=True`
         the values rank 0 holds when the block ends become every rank's, and the optimizer's
         master (moments kept): how to load or edit weights after initialize at stage 3."""
-        from zero_offload.engine.gathered import wanted_params
+        from zero_offload.engine.stage3.gathered import wanted_params
 
         self._require_idle("gathered")
         wanted = wanted_params(params, self.module)
@@ -381,7 +381,7 @@ class Engine:
         """Save the whole training state atomically (a collective). `client_state` (rank 0's) is
         saved beside it and returned by load_checkpoint: an LR scheduler's state_dict(), the data
         position; plain containers, numbers, strings and tensors only (loads never unpickle)."""
-        from zero_offload.engine.checkpoint import save
+        from zero_offload.engine.state.checkpoint import save
 
         self._require_idle("save_checkpoint")
         self._require_loaded("save_checkpoint")
@@ -398,7 +398,7 @@ class Engine:
         anything changes: a refused checkpoint leaves the engine as it was, trainable. Only an I/O
         failure once the state is being written (a file that changed since it was verified, the
         engine's own store failing) leaves it refusing to train or save until a load succeeds."""
-        from zero_offload.engine.checkpoint import load
+        from zero_offload.engine.state.checkpoint import load
 
         self._require_idle("load_checkpoint")
         try:
@@ -413,7 +413,7 @@ class Engine:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.
         A collective: every rank must call it."""
-        from zero_offload.engine.checkpoint import consolidated_state_dict
+        from zero_offload.engine.state.checkpoint import consolidated_state_dict
 
         self._require_loaded("consolidated_state_dict")
         return consolidated_state_dict(self)
@@ -425,7 +425,7 @@ class Engine:
         index), streamed one unit at a time: the model is never whole in memory. Values as
         consolidated_state_dict's, in the model's own dtypes. A collective: every rank calls it;
         rank 0 (or each rank passing write=True) writes. Returns the weight map (key -> file)."""
-        from zero_offload.engine import export
+        from zero_offload.engine.state import export
 
         self._require_idle("save_safetensors")
         self._require_loaded("save_safetensors")
@@ -436,7 +436,7 @@ class Engine:
         """The values of `keys` of the model's state_dict on every rank, as save_safetensors
         writes them; only the units holding them are read (the adapters of a frozen base). A
         collective: every rank calls it with the same keys."""
-        from zero_offload.engine import export
+        from zero_offload.engine.state import export
 
         self._require_idle("export_state_dict")
         self._require_loaded("export_state_dict")

@@ -25,7 +25,7 @@ from torch import nn
 
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.engine import Engine, initialize
-from zero_offload.engine.weights_files import one_line, open_weights
+from zero_offload.engine.model.weights_files import one_line, open_weights
 
 
 class _Job:
@@ -47,7 +47,7 @@ class _Job:
 
 
 class ConvertedWeights:
-    """A WeightSource (zero_offload.engine.weights_files) over a Hugging Face folder, in the
+    """A WeightSource (zero_offload.engine.model.weights_files) over a Hugging Face folder, in the
     module's names and layout through transformers' conversion of `model` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, folder: str, key_mapping: Mapping[str, str] | None = None) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from zero_offload import comm
 from zero_offload.engine.engine import Engine
-from zero_offload.engine.export import DEFAULT_MAX_SHARD_SIZE, tensor_specs
+from zero_offload.engine.state.export import DEFAULT_MAX_SHARD_SIZE, tensor_specs
 
 _UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
 

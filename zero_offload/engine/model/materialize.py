@@ -29,9 +29,9 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from zero_offload.engine.meta_buffers import MetaBuffers
+from zero_offload.engine.model.meta_buffers import MetaBuffers
 # The weight files' readers live in weights_files.py; their names stay importable from here.
-from zero_offload.engine.weights_files import (Weights, load_safetensors, open_source,  # noqa: F401
+from zero_offload.engine.model.weights_files import (Weights, load_safetensors, open_source,  # noqa: F401
                                                  open_weights, save_safetensors)
 
 InitFn = Callable[[nn.Module], None]

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from zero_offload import comm
-from zero_offload.engine.unit import Unit, UnitState
+from zero_offload.engine.stage3.unit import Unit, UnitState
 
 
 _REDUCE_HINT = (", and a parameter must get a gradient on every rank or on none (multiply an unused one by 0 "

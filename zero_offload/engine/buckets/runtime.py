@@ -19,12 +19,12 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config
-from zero_offload.engine.accumulate import Accumulator
-from zero_offload.engine.grads import Bucket, GradReducer, make_buckets
+from zero_offload.engine.step.accumulate import Accumulator
+from zero_offload.engine.buckets.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
-from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
-from zero_offload.engine.slots import check_slots, param_slots
-from zero_offload.engine.step import hands_over_master
+from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.engine.model.attributes import check_slots, param_slots
+from zero_offload.engine.step.pipeline import hands_over_master
 from zero_offload.store import make_store
 
 UPDATED_ROW = "updated weights awaiting step()"  # host copies are pinned where CUDA is

@@ -44,14 +44,15 @@ from torch import nn
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
-from zero_offload.engine import hooks, materialize
-from zero_offload.engine.accumulate import Accumulator, missing_ranges
+from zero_offload.engine.stage3 import hooks
+from zero_offload.engine.model import materialize
+from zero_offload.engine.step.accumulate import Accumulator, missing_ranges
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
-from zero_offload.engine.prefetch import BudgetExceeded, Prefetcher, check_same_unit
-from zero_offload.engine.shard_optimizer import DTYPES, ShardOptimizer
-from zero_offload.engine.slots import check_slots, param_slots
-from zero_offload.engine.unit import FlatGroup, StagingPool, Unit, UnitState
-from zero_offload.engine.unit_policy import Plan, RootCheck, plan_units
+from zero_offload.engine.stage3.prefetch import BudgetExceeded, Prefetcher, check_same_unit
+from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
+from zero_offload.engine.model.attributes import check_slots, param_slots
+from zero_offload.engine.stage3.unit import FlatGroup, StagingPool, Unit, UnitState
+from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.trace import tracer
@@ -185,7 +186,7 @@ class Stage3Runtime:
 
     def gathered(self, params: list[nn.Parameter], modify: bool) -> Any:
         """engine.gathered at stage 3 (gathered.py)."""
-        from zero_offload.engine.gathered import gathered
+        from zero_offload.engine.stage3.gathered import gathered
 
         return gathered(self, params, modify)
 

@@ -68,9 +68,9 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 import torch
 
 from zero_offload import comm
-from zero_offload.engine import manifest_checks
-from zero_offload.engine.step import PARTS
-from zero_offload.engine.weights_files import refused_pickle
+from zero_offload.engine.state import manifest_checks
+from zero_offload.engine.step.pipeline import PARTS
+from zero_offload.engine.model.weights_files import refused_pickle
 from zero_offload.io import checksum
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_offload.engine.staging import ALIGN
-from zero_offload.engine.step import updated_buffer
+from zero_offload.engine.step.staging_ring import ALIGN
+from zero_offload.engine.step.pipeline import updated_buffer
 
 
 @dataclass(frozen=True)

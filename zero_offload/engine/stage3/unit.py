@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from zero_offload import comm
-from zero_offload.engine.step import updated_buffer
+from zero_offload.engine.step.pipeline import updated_buffer
 from zero_offload.partition import FlatLayout
 from zero_offload.store.base import Handle, Store
 from zero_offload.store.resident import copy_async

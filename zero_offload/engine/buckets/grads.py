@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from zero_offload import comm
-from zero_offload.engine.accumulate import Accumulator, missing_ranges
+from zero_offload.engine.step.accumulate import Accumulator, missing_ranges
 from zero_offload.partition import FlatLayout
 
 

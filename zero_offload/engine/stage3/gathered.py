@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from zero_offload import comm
-from zero_offload.engine.prefetch import check_same_unit
-from zero_offload.engine.unit import FlatGroup, Unit, UnitState
+from zero_offload.engine.stage3.prefetch import check_same_unit
+from zero_offload.engine.stage3.unit import FlatGroup, Unit, UnitState
 
 if TYPE_CHECKING:
-    from zero_offload.engine.stage3 import Stage3Runtime
+    from zero_offload.engine.stage3.runtime import Stage3Runtime
 
 
 def wanted_params(what: nn.Module | nn.Parameter | Iterable[nn.Module | nn.Parameter] | None,

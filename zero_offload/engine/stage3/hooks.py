@@ -33,7 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from zero_offload.engine.unit import Unit
+from zero_offload.engine.stage3.unit import Unit
 
 
 class HookTarget(Protocol):

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.engine.staging import ALIGN, PARTS, Region, StagingRing, span
+from zero_offload.engine.step.staging_ring import ALIGN, PARTS, Region, StagingRing, span
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.optim.flat import NonFiniteUpdate, adam_step_flat, adam_step_runs
 from zero_offload.store.base import Handle, Store

@@ -34,9 +34,9 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config
-from zero_offload.engine.subshards import Assembly, SubShard, subshard_limit, split
-from zero_offload.engine.precision import LossScaler, clip_coefficient
-from zero_offload.engine.step import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
+from zero_offload.engine.step.subshards import Assembly, SubShard, subshard_limit, split
+from zero_offload.engine.step.precision import LossScaler, clip_coefficient
+from zero_offload.engine.step.pipeline import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.store.resident import copy_async
