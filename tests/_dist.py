@@ -1,4 +1,9 @@
-"""Run a test function on D gloo ranks in spawned processes, under a hard timeout.
+"""Run a test function on D gloo ranks in fresh processes, under a hard timeout.
+
+Ranks start from a fork server that imported torch (and whatever heavy modules the test session
+already imported, the test modules included) once, so a rank costs a fork, not an interpreter
+start and a torch import; each rank then takes the parent's current environment, as a spawned
+process would.
 
 Each rank arms faulthandler to dump every thread's stack shortly before the deadline, so a
 deadlock fails fast and shows where each rank was stuck. A rank's exception is written to a file
@@ -25,8 +30,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD_ALWAYS = ("torch", "torch.distributed", "numpy")
+_PRELOAD_IF_LOADED = ("transformers", "peft", "safetensors", "accelerate", "zero_offload")
+
+
+def _context() -> mp.context.BaseContext:
+    """The fork server's context; what it preloads is fixed when the first rank starts."""
+    ctx = mp.get_context("forkserver")
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = [name for name, mod in list(sys.modules.items())
+             if os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "/")) == here]
+    heavy = [m for m in _PRELOAD_IF_LOADED if m in sys.modules]
+    ctx.set_forkserver_preload([*_PRELOAD_ALWAYS, *heavy, *sorted(tests)])
+    return ctx
+
+
 def _rank_main(fn: Callable[..., None], rank: int, world: int, port: int, timeout: float, errdir: str,
-               kwargs: dict[str, Any], pg_timeout: float | None = None) -> None:
+               kwargs: dict[str, Any], pg_timeout: float | None = None, env: dict[str, str] | None = None) -> None:
+    if env is not None:  # the parent's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -62,10 +85,11 @@ def run_ranks(fn: Callable[..., None], world: int, *, timeout: float = 200.0, pg
               **kwargs: Any) -> None:
     """Run fn(rank, world, **kwargs) on `world` ranks (world 1 still runs in a child, without a group).
     `pg_timeout`: the process group's collective timeout in seconds (gloo's default is 30 minutes)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = _free_port()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as errdir:
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, timeout, errdir, kwargs, pg_timeout))
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, timeout, errdir, kwargs, pg_timeout, env))
                  for r in range(world)]
         for p in procs:
             p.start()
