@@ -246,7 +246,8 @@ def test_checker_finds_each_kind_of_violation() -> None:
         "pkg.low (row 0) imports pkg.mid (row 1, higher) at line 3",
     ]
     assert cycles(graph) == [["pkg.low", "pkg.mid"]]
-    assert cycle_report(graph) == ["cycle among pkg.low, pkg.mid: pkg.low -> pkg.mid (line 3); pkg.mid -> pkg.low (line 1)"]
+    assert cycle_report(graph) == [
+        "cycle among pkg.low, pkg.mid: pkg.low -> pkg.mid (line 3); pkg.mid -> pkg.low (line 1)"]
     assert unplaced(graph, _FAKE_LAYERS, "pkg") == ["pkg.stray"]
 
 

@@ -634,7 +634,8 @@ def _mapped(data: Mapping[str, Any]) -> Config:
     zero = _section(data, "zero_optimization", "")
     (opt_tier, opt_paths), (par_tier, par_paths) = (_offload(zero, k) for k in _BLOCK_GROUP)
     # DeepSpeed keeps reduced gradients next to the offloaded optimizer; so do we.
-    tiers = {"optimizer": opt_tier, "params": par_tier, "grads": CPU.name if tier(opt_tier).off_device else DEVICE.name}
+    grads = CPU.name if tier(opt_tier).off_device else DEVICE.name
+    tiers = {"optimizer": opt_tier, "params": par_tier, "grads": grads}
     precision = _precision(data)
     dtype_bytes = 4 if precision["dtype"] == "fp32" else 2
     kwargs: dict[str, Any] = {"tiers": tiers, "precision": precision,
