@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zero_offload.config import Config
-from zero_offload.engine.step.staging_ring import ALIGN, PARTS, RegionState, StagingRing, span
+from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS as ALIGN, PARTS, RegionState, StagingRing, span
 from zero_offload.store import make_store
 from zero_offload.store.base import Handle, Store
 

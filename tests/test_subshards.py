@@ -10,7 +10,7 @@ import torch
 from zero_offload.config import Config
 from zero_offload.engine.step.subshards import subshard_limit, split
 from zero_offload.engine.step.shard_optimizer import ShardOptimizer
-from zero_offload.engine.step.staging_ring import ALIGN
+from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS as ALIGN
 
 
 def test_split_covers_the_shard_in_aligned_subshards() -> None:

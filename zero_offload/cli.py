@@ -19,7 +19,8 @@ import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 from zero_offload import ledger
-from zero_offload.config import PRECISIONS, TIERS, Config, ConfigError
+from zero_offload.config import PRECISIONS, Config, ConfigError
+from zero_offload.tiers import DEVICE, TIERS, tier
 
 # name -> (module, one-line help)
 _PLUGINS = {
@@ -192,7 +193,7 @@ def count_model_params(spec: str) -> tuple[int, int]:
 
 def _estimate_rows(led: ledger.Ledger) -> list[str]:
     d = led.as_dict()
-    tiers = [t for t in ledger.TIER_COLUMNS if d["per_rank_by_tier"][t]["total"] or t == "device"]
+    tiers = [t for t in ledger.TIER_COLUMNS if d["per_rank_by_tier"][t]["total"] or tier(t).on_device]
     head = f"  {'state group':<22}" + "".join(f"{t + ' (per rank)':>20}" for t in tiers) + f"{'total':>16}"
     rows = [head]
     for g in ledger.GROUPS + ("total",):
@@ -224,7 +225,7 @@ def _refusal(stage: int, tiers: dict[str, str], precision: str) -> str | None:
     (_check_combination, run when a Config is built), so estimate never shows a layout that
     training would refuse. An nvme tier gets a placeholder path, as that check wants one and
     estimate writes nothing."""
-    paths = (tempfile.gettempdir(),) if "nvme" in tiers.values() else ()
+    paths = (tempfile.gettempdir(),) if any(tier(t).needs_nvme_paths for t in tiers.values()) else ()
     try:
         Config(stage=stage, tiers=tiers, precision={"dtype": precision}, nvme_paths=paths)
     except ConfigError as exc:
@@ -235,7 +236,7 @@ def _refusal(stage: int, tiers: dict[str, str], precision: str) -> str | None:
 def _estimate_stages(args: argparse.Namespace, tiers: dict[str, str]) -> tuple[list[int], dict[int, str]]:
     """The stages to show and, for --stage all, those skipped with the reason; an error when
     no requested stage can run with these tiers."""
-    if tiers["params"] != "device" and args.stage not in ("all", "3"):
+    if tier(tiers["params"]).off_device and args.stage not in ("all", "3"):
         raise CLIError(f"--params-tier {tiers['params']} needs --stage 3")
     requested = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
     refused = {s: why for s in requested if (why := _refusal(s, tiers, args.precision)) is not None}
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", choices=["0", "1", "2", "3", "all"], default="all")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     for group in ("params", "grads", "optimizer"):
-        p.add_argument(f"--{group}-tier", choices=TIERS, default="device")
+        p.add_argument(f"--{group}-tier", choices=TIERS, default=DEVICE.name)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_estimate)
     p = sub.add_parser("config", help="validate a config file")

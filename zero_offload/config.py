@@ -22,10 +22,12 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-TIERS = ("device", "cpu", "nvme")
+from zero_offload.tiers import TIERS, tier
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam")
-IO_BACKENDS = ("auto", "native", "aiofiles")
+IO_BACKENDS = ("auto", "native", "aiofiles")  # "auto": native when the library loaded, else aiofiles
+ALIGN_BYTES = 4096  # O_DIRECT needs buffer address, file offset and length on this boundary
 MiB = 1 << 20
 GiB = 1 << 30
 # The most CPU threads a setting may ask for: far above any workstation's cores, and far below
@@ -215,9 +217,9 @@ class IOConfig(_Fields):
     direct: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("io.block_size", self.block_size, 4096, GiB)
-        if self.block_size % 4096:
-            _fail("io.block_size", self.block_size, "expected a multiple of 4096 (O_DIRECT alignment)")
+        _check_int("io.block_size", self.block_size, ALIGN_BYTES, GiB)
+        if self.block_size % ALIGN_BYTES:
+            _fail("io.block_size", self.block_size, f"expected a multiple of {ALIGN_BYTES} (O_DIRECT alignment)")
         _check_int("io.queue_depth", self.queue_depth, 1, 1024)
         _check_int("io.threads", self.threads, 1, 256)
         _check_choice("io.backend", self.backend, IO_BACKENDS)
@@ -431,20 +433,22 @@ def _unknown_key(cls: type, key: Any) -> ConfigError:
 def _check_combination(c: Config) -> None:
     """Refuse the stage/tier/precision combinations that cannot work, saying why."""
     t = c.tiers
-    if t.params != "device" and c.stage < 3:
+    params, grads, optimizer = tier(t.params), tier(t.grads), tier(t.optimizer)
+    if params.off_device and c.stage < 3:
         raise ConfigError(
             f"tiers.params = '{t.params}' needs stage 3 (stage is {c.stage}): below stage 3 every rank "
             "keeps its full compute copy on the device, so there is nothing to offload")
-    if t.params != "device" and t.optimizer == "device":
+    if params.off_device and optimizer.on_device:
         raise ConfigError(
-            f"tiers.params = '{t.params}' with tiers.optimizer = 'device' is refused: the master shard "
+            f"tiers.params = '{t.params}' with tiers.optimizer = '{t.optimizer}' is refused: the master shard "
             "would stay on the device while only the smaller compute copy moves off it")
-    if t.grads != "device" and t.optimizer == "device":
+    if grads.off_device and optimizer.on_device:
         raise ConfigError(
-            f"tiers.grads = '{t.grads}' with tiers.optimizer = 'device' is refused: the device optimizer "
+            f"tiers.grads = '{t.grads}' with tiers.optimizer = '{t.optimizer}' is refused: the device optimizer "
             "would have to copy every gradient back to the device to step it")
-    if "nvme" in (t.params, t.grads, t.optimizer) and not c.nvme_paths:
-        group = next(f.name for f in fields(t) if getattr(t, f.name) == "nvme")
-        raise ConfigError(f"tiers.{group} = 'nvme' needs nvme_paths (one or more directories on the drive)")
+    drive = [f.name for f in fields(t) if tier(getattr(t, f.name)).needs_nvme_paths]
+    if drive and not c.nvme_paths:
+        raise ConfigError(f"tiers.{drive[0]} = '{getattr(t, drive[0])}' needs nvme_paths (one or more directories "
+                          "on the drive)")
     if c.stage3 != Stage3Config() and c.stage != 3:
         raise ConfigError(f"stage3 settings are given but stage is {c.stage}: they apply only to stage 3")

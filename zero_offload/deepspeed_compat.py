@@ -39,6 +39,7 @@ from dataclasses import fields
 from typing import Any, Callable, Mapping
 
 from zero_offload.config import SHOWN, Config, ConfigError, shown, user_stacklevel
+from zero_offload.tiers import CPU, DEVICE, REGISTRY, from_deepspeed, spelled, tier
 
 _FLAG, _COUNT = "true or false", "an integer >= 0"  # the kinds of value an unmapped key must hold
 # Accepted without effect, type-checked (kind; None: unchecked, as DeepSpeed's logging keys always
@@ -102,7 +103,8 @@ def _max_in_cpu(value: Any, data: Mapping[str, Any]) -> str:
     CPU memory). Our nvme tier keeps every offloaded parameter on nvme, which is what 0 says;
     with another device DeepSpeed does not read it."""
     block = _zero_block(data).get("offload_param")
-    if not isinstance(block, Mapping) or block.get("device") != "nvme":
+    asked = from_deepspeed(block.get("device")) if isinstance(block, Mapping) else None
+    if asked is None or not asked.needs_nvme_paths:
         return _IGNORED
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return ("DeepSpeed keeps that many parameter elements in CPU memory, zero_offload keeps every offloaded "
@@ -341,11 +343,12 @@ def _nvme_paths(block: Mapping[str, Any], key: str) -> list[str]:
 def _offload(zero: Mapping[str, Any], key: str) -> tuple[str, list[str]]:
     """The tier an offload_* block asks for, and its nvme_path(s) when that tier is nvme."""
     block = _section(zero, key, "zero_optimization")
-    device = block.get("device", "none")
-    tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}.get(device) if isinstance(device, str) else None
-    if tier is None:
-        raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = {shown(device)}: expected none, cpu or nvme")
-    return tier, (_nvme_paths(block, key) if tier == "nvme" else [])
+    device = block.get("device", DEVICE.deepspeed)
+    asked = from_deepspeed(device)
+    if asked is None:
+        raise ConfigError(f"DeepSpeed key 'zero_optimization.{key}.device' = {shown(device)}: "
+                          f"expected {spelled([t.deepspeed for t in REGISTRY])}")
+    return asked.name, (_nvme_paths(block, key) if asked.needs_nvme_paths else [])
 
 
 def _dirs(paths: list[str]) -> set[str]:
@@ -468,7 +471,7 @@ def _pin_memory(zero: Mapping[str, Any], tiers: Mapping[str, str]) -> dict[str, 
     for key, group in _BLOCK_GROUP.items():
         block = _section(zero, key, "zero_optimization")
         pin = _flag(block, "pin_memory", f"zero_optimization.{key}", True)  # checked even where unused
-        if "pin_memory" in block and tiers[group] != "device":
+        if "pin_memory" in block and tier(tiers[group]).off_device:
             said[key] = pin
     if len(set(said.values())) > 1:
         opt, par = (json.dumps(said[k]) for k in _BLOCK_GROUP)
@@ -631,7 +634,8 @@ def _mapped(data: Mapping[str, Any]) -> Config:
     zero = _section(data, "zero_optimization", "")
     (opt_tier, opt_paths), (par_tier, par_paths) = (_offload(zero, k) for k in _BLOCK_GROUP)
     # DeepSpeed keeps reduced gradients next to the offloaded optimizer; so do we.
-    tiers = {"optimizer": opt_tier, "params": par_tier, "grads": "cpu" if opt_tier != "device" else "device"}
+    grads = CPU.name if tier(opt_tier).off_device else DEVICE.name
+    tiers = {"optimizer": opt_tier, "params": par_tier, "grads": grads}
     precision = _precision(data)
     dtype_bytes = 4 if precision["dtype"] == "fp32" else 2
     kwargs: dict[str, Any] = {"tiers": tiers, "precision": precision,

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
 
+from zero_offload.tiers import DEVICE, REGISTRY, TIERS
+
 GROUPS = ("weights", "gradients", "optimizer")
 TIER_OF_GROUP = {"weights": "params", "gradients": "grads", "optimizer": "optimizer"}
-TIER_COLUMNS = ("device", "cpu", "nvme")
+TIER_COLUMNS = TIERS  # one column per tier, in the registry's order
 EXCLUDED = ("activations", "gathered (unsharded) units at stage 3", "communication buckets",
             "staging buffers", "padding to a multiple of D", "allocator overhead")
 
@@ -88,7 +90,7 @@ class Ledger:
             "per_device": {**{g: _num(self.group_total(g)) for g in GROUPS}, "total": _num(self.total)},
             "per_rank_by_tier": {t: {**{g: _num(self.per_rank[g][t]) for g in GROUPS},
                                      "total": _num(self.tier_total(t))} for t in TIER_COLUMNS},
-            "machine": {t: _num(self.machine_total(t)) for t in ("cpu", "nvme")},
+            "machine": {t.name: _num(self.machine_total(t.name)) for t in REGISTRY if t.machine_shared},
             "excludes": list(EXCLUDED),
         }
 
@@ -124,7 +126,7 @@ def _check_tiers(tiers: Mapping[str, str] | None) -> dict[str, str]:
             raise ValueError(f"tiers key {key!r} is not one of {', '.join(keys)}")
         if not isinstance(tier, str) or tier not in TIER_COLUMNS:
             raise ValueError(f"tiers[{key!r}] = {tier!r} is not one of {', '.join(TIER_COLUMNS)}")
-    return {**{k: "device" for k in keys}, **tiers}
+    return {**{k: DEVICE.name for k in keys}, **tiers}
 
 
 def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapping[str, str] | None = None,

@@ -24,7 +24,7 @@ import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from zero_offload.bench.io_runners import FioRunner, OurRunner, Pattern
-from zero_offload.config import ConfigError, IOConfig
+from zero_offload.config import ALIGN_BYTES, ConfigError, IOConfig
 
 OPS = ("write", "read")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -106,8 +106,9 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     if args.size < max(args.block_sizes):
         raise ValueError(f"--size {fmt_size(args.size)}: must hold one block of --block-sizes "
                          f"(the largest is {fmt_size(max(args.block_sizes))})")
-    if args.size % 4096:  # every pass is O_DIRECT, which refuses a transfer of part of a 4 KiB block
-        raise ValueError(f"--size {fmt_size(args.size)}: must be a multiple of 4096 bytes (O_DIRECT alignment)")
+    if args.size % ALIGN_BYTES:  # every pass is O_DIRECT, which refuses a transfer of part of a 4 KiB block
+        raise ValueError(f"--size {fmt_size(args.size)}: must be a multiple of {ALIGN_BYTES} bytes "
+                         "(O_DIRECT alignment)")
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: must be >= 1")
     _check_write_config(args.write_config)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from zero_offload.config import MAX_THREADS
+from zero_offload.tiers import tier
 
 
 class _Block(nn.Module):
@@ -251,7 +252,7 @@ def _engine_step(args: argparse.Namespace, x: torch.Tensor, nvme: str, overlap: 
     cfg = dict(stage=1, tiers={"optimizer": args.tier, "grads": "cpu"}, overlap_step=overlap,
                bucket_bytes=int(args.bucket_mib * 2**20), optimizer={"threads": args.threads},
                pinned_budget_bytes=int(args.staging_mib * 2**20),
-               nvme_paths=[nvme] if args.tier == "nvme" else [])
+               nvme_paths=[nvme] if tier(args.tier).needs_nvme_paths else [])
     engine = zero_offload.initialize(_model(args.d_model, args.layers), cfg)
     log = log or _PhaseLog()
 
@@ -327,7 +328,7 @@ def _print(args: argparse.Namespace, result: dict) -> None:
     print(f"  drive traffic per step   {traffic['read'] / mib:9.1f} MiB read, {traffic['written'] / mib:.1f} MiB "
           f"written (optimizer state: {result['optimizer_state_bytes'] / mib:.1f} MiB; "
           f"staging ring: {result['staging_ring_bytes'] / mib:.1f} MiB; averaged over every step run, timed or not)")
-    if args.tier == "nvme" and result["staging_ring_bytes"] >= result["optimizer_state_bytes"]:
+    if not tier(args.tier).resident and result["staging_ring_bytes"] >= result["optimizer_state_bytes"]:
         print("  warning: the staging ring holds the whole optimizer state, so a step may find its shards "
               "still in the ring and not read the drive; lower --staging-mib to measure the NVMe tier")
     print(f"  step / largest part      {result['step_over_largest']:9.2f} x   (median of the per-round ratios; "
@@ -387,7 +388,7 @@ def main(args: argparse.Namespace) -> int:
     _check_args(args)
     allocator = steady_allocator(args.malloc)  # before any part allocates
     torch.set_num_threads(args.threads)
-    io_name = "nvme" if args.tier == "nvme" else "state copy (cpu tier)"
+    io_name = "nvme" if not tier(args.tier).resident else "state copy (cpu tier)"
     result = _summarize(args, io_name, *_measure(args, io_name))
     result["allocator"], result["host"] = allocator, _host()
     if args.json:

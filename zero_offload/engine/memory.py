@@ -23,14 +23,14 @@ import psutil
 import torch
 
 from zero_offload import comm, ledger
+from zero_offload.ledger import GROUPS
+from zero_offload.tiers import TIERS
 
 if TYPE_CHECKING:
     from zero_offload.engine.engine import Engine
     from zero_offload.partition import FlatLayout
 
-GROUPS = ("weights", "gradients", "optimizer")
 FROZEN_ROW = "frozen parameters (not in the ledger)"  # whole at stages 0-2, this rank's shards at stage 3
-TIERS = ("device", "cpu", "nvme")
 
 
 def padding(held: dict[str, int], layouts: dict[str, "FlatLayout"]) -> float:

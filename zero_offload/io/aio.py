@@ -9,6 +9,7 @@ comparison of docs/perf_io.md, so a second engine would add code without adding 
 from __future__ import annotations
 
 from zero_offload import native
+from zero_offload.config import IO_BACKENDS
 from zero_offload.io.aiofiles_aio import AiofilesAIO
 from zero_offload.io.base import AIOBackend, ChecksumError, IOFuture
 from zero_offload.io.native_aio import NativeAIO, native_lib
@@ -16,13 +17,11 @@ from zero_offload.io.native_aio import NativeAIO, native_lib
 __all__ = ["AIOBackend", "AiofilesAIO", "ChecksumError", "IOFuture", "NativeAIO", "open_backend",
            "resolve_kind"]
 
-KINDS = ("auto", "native", "aiofiles")
-
 
 def resolve_kind(kind: str) -> str:
     """The backend "auto" stands for on this installation; other kinds are checked and returned."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown async I/O backend {kind!r}: expected one of {', '.join(KINDS)}")
+    if kind not in IO_BACKENDS:
+        raise ValueError(f"unknown async I/O backend {kind!r}: expected one of {', '.join(IO_BACKENDS)}")
     if kind == "auto":
         return "native" if native_lib() is not None else "aiofiles"
     return kind

@@ -21,7 +21,6 @@ from zero_offload.io.checksum import ChecksumView
 
 Buffer = Union[torch.Tensor, bytearray, memoryview]
 FileRef = Union[int, str]
-ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length on this boundary
 
 
 class ChecksumError(OSError):

@@ -16,11 +16,12 @@ from collections import defaultdict
 
 import torch
 
-ALIGN = 4096
+from zero_offload.config import ALIGN_BYTES
+
 HUGE_PAGE = 2 << 20
 
 
-def round_up(n: int, alignment: int = ALIGN) -> int:
+def round_up(n: int, alignment: int = ALIGN_BYTES) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
@@ -33,7 +34,7 @@ def _pinned_exact(size: int, alignment: int) -> torch.Tensor | None:
     return raw if raw.data_ptr() % alignment == 0 else None
 
 
-def aligned_empty(nbytes: int, *, alignment: int = ALIGN, pin: bool = False,
+def aligned_empty(nbytes: int, *, alignment: int = ALIGN_BYTES, pin: bool = False,
                   huge_pages: bool = True) -> torch.Tensor:
     """A uint8 tensor of `nbytes` starting on an `alignment` boundary, pinned when asked and
     CUDA is available. The allocation behind it is rounded up to `alignment`, so reading or
@@ -88,7 +89,7 @@ class BufferPool:
     reuse, and cached ones are dropped before anyone has to wait.
     """
 
-    def __init__(self, budget_bytes: int, *, alignment: int = ALIGN, pin: bool = False) -> None:
+    def __init__(self, budget_bytes: int, *, alignment: int = ALIGN_BYTES, pin: bool = False) -> None:
         if budget_bytes < alignment:
             raise ValueError(f"buffer pool budget {budget_bytes} bytes is below one {alignment}-byte page")
         self.budget, self.alignment, self.pin = budget_bytes, alignment, pin

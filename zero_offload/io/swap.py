@@ -27,7 +27,7 @@ import torch
 from zero_offload.config import IOConfig
 from zero_offload.io.aio import open_backend
 from zero_offload.io.base import AIOBackend, ChainedFuture, ChecksumError, DoneFuture, IOFuture, ThreadFuture
-from zero_offload.io.buffers import ALIGN, BufferPool, aligned_empty, round_up
+from zero_offload.io.buffers import ALIGN_BYTES, BufferPool, aligned_empty, round_up
 from zero_offload.io.checksum import ChecksumTable
 from zero_offload.io.swap_files import SwapError, SwapFile, check_paths, check_space, log, remove_files
 from zero_offload.io.threads import DaemonPool
@@ -53,7 +53,7 @@ class _Entry:
 
     def __init__(self, slot: Slot, file: SwapFile, block: int) -> None:
         self.slot, self.file, self.block = slot, file, block
-        self.body = slot.nbytes - slot.nbytes % ALIGN
+        self.body = slot.nbytes - slot.nbytes % ALIGN_BYTES
         self.tail = slot.nbytes - self.body
         self.body_blocks = -(-self.body // block)
         self.sums = ChecksumTable(self.body_blocks + (1 if self.tail else 0))
@@ -209,7 +209,7 @@ class SwapStore:
     def _transfer(self, e: _Entry, data: torch.Tensor, *, write: bool) -> IOFuture:
         if e.slot.nbytes == 0:
             return DoneFuture()
-        if data.data_ptr() % ALIGN == 0 or not e.file.direct:
+        if data.data_ptr() % ALIGN_BYTES == 0 or not e.file.direct:
             return self._direct(e, data, write)
         with self._lock:
             self.bounced += 1
@@ -228,12 +228,12 @@ class SwapStore:
             if e.body:
                 parts.append(self._submit(e, write, 0, data[:e.body], e.body, 0))
             if e.tail:
-                page = aligned_empty(ALIGN)
+                page = aligned_empty(ALIGN_BYTES)
                 if write:
                     page.zero_()[:e.tail].copy_(data[e.body:])
                 else:
                     then = _copier(data[e.body:], page[:e.tail])
-                parts.append(self._submit(e, write, e.body, page, ALIGN, e.body_blocks))
+                parts.append(self._submit(e, write, e.body, page, ALIGN_BYTES, e.body_blocks))
         except BaseException:
             for part in parts:  # submitted parts still run: let them end before the caller reuses `data`
                 _quiet_wait(part)

@@ -23,7 +23,7 @@ from zero_offload.engine.step.accumulate import Accumulator
 from zero_offload.engine.buckets.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
-from zero_offload.engine.model.attributes import check_slots, param_slots
+from zero_offload.engine.model.attributes import check_bindings, param_bindings
 from zero_offload.engine.step.pipeline import hands_over_master
 from zero_offload.store import make_store
 
@@ -41,7 +41,7 @@ class BucketRuntime:
         self.replicated = config.stage == 0
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]  # the memory report's row
-        self.slots = param_slots(model)
+        self.slots = param_bindings(model)
         self.buckets = make_buckets(named[::-1], config.bucket_bytes, 1 if self.replicated else self.world)
         opt_bytes = sum(b.layout.shard_numel for b in self.buckets) * 4
         self.shard_optimizer = ShardOptimizer(config, device, self._on_updated,
@@ -90,7 +90,7 @@ class BucketRuntime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
-        check_slots(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
+        check_bindings(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
         self._take_edits()
         self.reducer.begin(boundary)
 

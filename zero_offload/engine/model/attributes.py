@@ -1,4 +1,4 @@
-"""The model's parameter slots as the engine found them at initialize.
+"""The model's parameter bindings (module, attribute -> Parameter) as the engine found them at initialize.
 
 The engine's hooks, buckets and unit shards belong to the Parameter objects it was given. One
 put in their place afterwards (`module.load_state_dict(sd, assign=True)`, `module.w =
@@ -13,20 +13,20 @@ from __future__ import annotations
 from torch import nn
 
 # (module, attribute, qualified name, parameter, whether it trained at initialize)
-Slot = tuple[nn.Module, str, str, nn.Parameter, bool]
+Binding = tuple[nn.Module, str, str, nn.Parameter, bool]
 
 
-def param_slots(model: nn.Module) -> list[Slot]:
+def param_bindings(model: nn.Module) -> list[Binding]:
     """Every (module, attribute) holding a parameter now, with its qualified name."""
     return [(mod, attr, f"{prefix}.{attr}" if prefix else attr, p, p.requires_grad)
             for prefix, mod in model.named_modules(remove_duplicate=False)
             for attr, p in mod._parameters.items() if p is not None]
 
 
-def check_slots(slots: list[Slot]) -> None:
-    """Refuse a slot whose parameter is no longer the object initialize saw, or no longer
+def check_bindings(bindings: list[Binding]) -> None:
+    """Refuse a binding whose parameter is no longer the object initialize saw, or no longer
     trains (or now trains) where it did not."""
-    for mod, attr, name, p, trained in slots:
+    for mod, attr, name, p, trained in bindings:
         if p.requires_grad != trained:
             raise RuntimeError(f"engine.backward: parameter '{name}' was {'unfrozen' if p.requires_grad else 'frozen'} "
                                f"(requires_grad={p.requires_grad}) after initialize; the trainable parameters are fixed "

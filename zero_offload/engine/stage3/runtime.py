@@ -50,14 +50,14 @@ from zero_offload.engine.step.accumulate import Accumulator, missing_ranges
 from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.stage3.prefetch import BudgetExceeded, Prefetcher, check_same_unit
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
-from zero_offload.engine.model.attributes import check_slots, param_slots
+from zero_offload.engine.model.attributes import check_bindings, param_bindings
 from zero_offload.engine.stage3.unit import FlatGroup, StagingPool, Unit, UnitState
 from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
-from zero_offload.io.buffers import aligned_tensor
+from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.trace import tracer
 
-BLOCK = 4096
+BLOCK = ALIGN_BYTES  # an NVMe slot's rounding: each unit's capacity allows for it
 WRITES_IN_FLIGHT = 4  # updated compute-copy shards written behind the step at once
 
 
@@ -111,7 +111,7 @@ class Stage3Runtime:
         self.params_store = None
         try:
             self._make_units(plan, elem, shapes)
-            self.slots = param_slots(model)  # after a meta model's parameters were replaced
+            self.slots = param_bindings(model)  # after a meta model's parameters were replaced
             self._check_budget(plan)
             # Units gathered around other units (the root): see _held_to_end (every chain counts
             # them in the budget already).
@@ -528,7 +528,7 @@ class Stage3Runtime:
         """Checks first (nothing is reduced yet): the parameters and which of them train are
         fixed at initialize. A stale .grad (held before initialize, or left by a refused
         loss.backward()) would be summed into this backward's by autograd: dropped."""
-        check_slots(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
+        check_bindings(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
         for u in self.units:
             for p in u.params():
                 p.grad = None
@@ -728,7 +728,7 @@ class Stage3Runtime:
         groups = [g for u in self.units for g in u.groups]
         layouts, elem = {g.key: g.layout for g in groups}, {g.key: g.flat.element_size() for g in groups}
         shards = sum(g.layout.shard_numel * elem[g.key] for g in groups)
-        rounding = self.params_store.bytes_retained() - shards if self.config.tiers.params == "nvme" else 0
+        rounding = self.params_store.bytes_retained() - shards if not self.params_store.addressable else 0
         held, acc = so.held_grads(), self.accumulator.held()
         grad_bytes = so.grad_store.bytes_retained() + self.accumulator.store.bytes_retained()
         return {"padding (weights)": padding({g.key: g.layout.shard_numel * elem[g.key] for g in trainable}, layouts),

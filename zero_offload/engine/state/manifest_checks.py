@@ -16,8 +16,9 @@ import os
 import zlib
 from typing import Any, Callable
 
+from zero_offload.config import PRECISIONS
+
 CRC_FILE = "manifest.crc32"
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ManifestError(ValueError):

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from zero_offload.engine.step.staging_ring import ALIGN, PARTS, Region, StagingRing, span
+from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS, PARTS, Region, StagingRing, span
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.optim.flat import NonFiniteUpdate, adam_step_flat, adam_step_runs
 from zero_offload.store.base import Handle, Store
@@ -209,7 +209,7 @@ class StateAccess:
         largest shard (the least that works; three -- one stepping, one writing, one reading --
         is what overlaps, and a smaller budget is warned about)."""
         largest = span(self.max_numel)
-        budget = self.budget_bytes // 4 // ALIGN * ALIGN
+        budget = self.budget_bytes // 4 // ALIGN_ELEMENTS * ALIGN_ELEMENTS
         if budget < 3 * largest:
             warnings.warn(f"pinned_budget_bytes = {self.budget_bytes} holds fewer than three of the largest "
                           f"optimizer shard ({4 * largest} bytes of master + m + v): NVMe reads and writes will "

@@ -40,6 +40,7 @@ from zero_offload.engine.step.pipeline import PARTS, DeviceAdam, HostAdam, Job, 
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.store import make_store
 from zero_offload.store.resident import copy_async
+from zero_offload.tiers import CPU, tier
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Ranges = Sequence[tuple[int, int]]  # element ranges (lo, hi) of a shard, in order
@@ -116,11 +117,11 @@ class ShardOptimizer:
         cap = capacity_bytes or (1 << 30)
         self.store = make_store(config.tiers.optimizer, "optimizer", config, device=self.device, rank=rank,
                                 capacity_bytes=cap)
-        kernel = DeviceAdam() if config.tiers.optimizer == "device" else HostAdam(config.optimizer.threads)
+        kernel = DeviceAdam() if tier(config.tiers.optimizer).on_device else HostAdam(config.optimizer.threads)
         # The grad shards a deferred step holds: a host kernel has them in host memory already (see
         # _to_kernel), so a device grads tier would upload each again and hand the CPU Adam a
         # device tensor; they stay on the host (the memory report counts them there).
-        held_tier = "cpu" if kernel.host and config.tiers.grads == "device" and self.device.type != "cpu" \
+        held_tier = CPU.name if kernel.host and tier(config.tiers.grads).on_device and self.device.type != "cpu" \
             else config.tiers.grads
         # Sized for the whole state only when a step holds gradients; the overlapped step never
         # does, so a drive then reserves a token file (it grows if ever needed).

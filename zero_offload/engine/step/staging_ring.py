@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zero_offload.io.buffers import ALIGN_BYTES
 from zero_offload.store.base import Handle, Store
 
 PARTS = ("master", "m", "v")  # a shard's state, back to back in its store key and its region
-ALIGN = 1024  # elements of fp32: regions start on 4 KiB pages, the drive's direct path
+ALIGN_ELEMENTS = ALIGN_BYTES // 4  # fp32 elements: regions start on drive pages, the direct path's alignment
 
 
 def aligned(numel: int) -> int:
-    return -(-max(numel, 1) // ALIGN) * ALIGN
+    return -(-max(numel, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 def span(numel: int) -> int:

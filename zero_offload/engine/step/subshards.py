@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_offload.engine.step.staging_ring import ALIGN
+from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS
 from zero_offload.engine.step.pipeline import updated_buffer
 
 
@@ -35,7 +35,7 @@ class SubShard:
 
 def subshard_limit(budget_bytes: int) -> int:
     """Most elements per sub-shard: three sub-shards' master + m + v (12 B/element) fill the budget."""
-    return max(ALIGN, budget_bytes // (3 * 12) // ALIGN * ALIGN)
+    return max(ALIGN_ELEMENTS, budget_bytes // (3 * 12) // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
 
 
 def split(key: str, numel: int, limit: int | None) -> list[SubShard]:
@@ -43,7 +43,7 @@ def split(key: str, numel: int, limit: int | None) -> list[SubShard]:
     if limit is None or numel <= limit:
         return [SubShard(key, key, 0, numel)]
     count = -(-numel // limit)
-    size = -(-numel // count // ALIGN) * ALIGN
+    size = -(-numel // count // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
     return [SubShard(f"{key}#{i}", key, lo, min(lo + size, numel)) for i, lo in enumerate(range(0, numel, size))]
 
 
