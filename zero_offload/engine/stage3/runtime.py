@@ -766,7 +766,7 @@ class Stage3Runtime:
         return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups if not g.trainable)
 
     def _padding(self) -> dict[str, float]:
-        """Each state group's padding (see memory.padding) and the params tier's slot rounding."""
+        """Each state group's padding (see engine.runtime.padding) and the params tier's slot rounding."""
         so, trainable = self.shard_optimizer, [g for _, g in self._trainable()]
         groups = [g for u in self.units for g in u.groups]
         layouts, elem = {g.key: g.layout for g in groups}, {g.key: g.flat.element_size() for g in groups}
