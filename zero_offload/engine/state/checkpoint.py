@@ -44,7 +44,7 @@ overwritten), rather than going on with a mixture.
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
 `<path>` aside to `<path>.old`, renames the new one into place, fsyncs the parent and deletes the
-old one. A crash at any point leaves either `<path>` or `<path>.old` complete, and load() takes
+old one. A crash at any point leaves either `<path>` or `<path>.old` complete, and a load takes
 `<path>.old` when `<path>` is missing. A save refuses a `<path>`, `<path>.tmp` or `<path>.old` that
 holds anything but a checkpoint or a save's leftovers (each save marks its directory first), and a
 path that is or holds the current directory. Multi-node saving needs `path` on a file system shared by
