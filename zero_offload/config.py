@@ -20,7 +20,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from zero_offload.tiers import TIERS, tier
 
@@ -72,6 +72,33 @@ def float_range(low: float, high: float | None, *, open_low: bool = False, open_
     """The one wording of a number range: brackets say whether each end is allowed."""
     top = "inf)" if high is None else f"{float(high)}{')' if open_high else ']'}"
     return f"expected a finite number in {'(' if open_low else '['}{float(low)}, {top}"
+
+
+@dataclass(frozen=True)
+class ForeignFormat:
+    """Another project's config format that `Config.from_dict` reads: whether a dict is one, how
+    it maps onto a Config, and the hint an unknown key of ours gets when it is that format's
+    name. Registered by the module that reads it (deepspeed_compat.py, imported with the
+    package), so this module never imports a format's reader."""
+
+    name: str
+    recognises: Callable[[Mapping[str, Any]], bool]
+    build: Callable[[Mapping[str, Any]], "Config"]
+    key_hint: Callable[[str], "str | None"]
+
+
+_FORMATS: dict[str, ForeignFormat] = {}
+
+
+def register_format(fmt: ForeignFormat) -> None:
+    """Make `Config.from_dict` (and `from_file`) read `fmt` too."""
+    _FORMATS[fmt.name] = fmt
+
+
+def _format(name: str) -> ForeignFormat:
+    if name not in _FORMATS:  # the package's __init__ imports every reader: only a broken install lacks one
+        raise ConfigError(f"no reader for {name} configs is registered (import zero_offload, which registers it)")
+    return _FORMATS[name]
 
 
 class ConfigError(ValueError):
@@ -339,12 +366,11 @@ class Config(_Fields):
     def from_dict(cls, data: Mapping[str, Any]) -> "Config":
         """Build from a plain dict (as read from JSON); unknown keys are errors. A DeepSpeed config
         is recognised by any key only DeepSpeed has, as it may leave out zero_optimization."""
-        from zero_offload.deepspeed_compat import is_deepspeed
-
         if not isinstance(data, Mapping):
             raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        if is_deepspeed(data):
-            return cls.from_deepspeed(data)
+        for fmt in _FORMATS.values():
+            if fmt.recognises(data):
+                return fmt.build(data)
         return _build(cls, data, "")
 
     @classmethod
@@ -366,9 +392,7 @@ class Config(_Fields):
     @classmethod
     def from_deepspeed(cls, data: Mapping[str, Any]) -> "Config":
         """Map a DeepSpeed config (whole, or just its zero_optimization dict) onto ours."""
-        from zero_offload.deepspeed_compat import config_from_deepspeed
-
-        return config_from_deepspeed(data)
+        return _format("deepspeed").build(data)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict that `from_dict` turns back into an equal Config."""
@@ -419,11 +443,10 @@ def _unknown_key(cls: type, key: Any) -> ConfigError:
     key = str(key) if len(str(key)) <= SHOWN else shown(key)  # no closest match is that long
     where = f"{section}.{key}" if section else key
     if cls is Config:
-        from zero_offload.deepspeed_compat import deepspeed_key_hint
-
-        hint = deepspeed_key_hint(str(key))
-        if hint:
-            return ConfigError(f"unknown config key '{where}'{hint}")
+        for fmt in _FORMATS.values():
+            hint = fmt.key_hint(str(key))
+            if hint:
+                return ConfigError(f"unknown config key '{where}'{hint}")
     known = [f.name for f in fields(cls)]
     close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"

@@ -38,7 +38,7 @@ import warnings
 from dataclasses import fields
 from typing import Any, Callable, Mapping
 
-from zero_offload.config import SHOWN, Config, ConfigError, shown, user_stacklevel
+from zero_offload.config import SHOWN, Config, ConfigError, ForeignFormat, register_format, shown, user_stacklevel
 from zero_offload.tiers import CPU, DEVICE, REGISTRY, from_deepspeed, spelled, tier
 
 _FLAG, _COUNT = "true or false", "an integer >= 0"  # the kinds of value an unmapped key must hold
@@ -669,3 +669,8 @@ def _find(data: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
         else:
             return False, None
     return True, data
+
+
+# Config.from_dict, from_file and from_deepspeed read DeepSpeed configs through this registration
+# (config.py never imports this module: the package's __init__ does, before any config is read).
+register_format(ForeignFormat("deepspeed", is_deepspeed, config_from_deepspeed, deepspeed_key_hint))

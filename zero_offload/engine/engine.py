@@ -1,14 +1,15 @@
 """The public facade: `initialize(model, config)` → Engine, and the engine's phase state machine.
 
-The Engine owns the order of calls (IDLE → FORWARD → BACKWARD → STEP → IDLE), the micro-batch
-count that decides the gradient-accumulation boundary, and the fp16 loss scale applied in
-backward. Everything that differs between ZeRO stages sits behind a runtime (BucketRuntime in
-buckets/runtime.py for stages 0-2, Stage3Runtime in stage3/runtime.py for stage 3) with one interface.
+The Engine owns the order of calls (IDLE → FORWARD → BACKWARD → STEP → IDLE), its health (OK,
+STOPPED, LOAD_FAILED, CLOSED: whether it may train), the micro-batch count that decides the
+gradient-accumulation boundary, and the fp16 loss scale applied in backward. Everything that
+differs between ZeRO stages sits behind a runtime (BucketRuntime in buckets/runtime.py for stages
+0-2, Stage3Runtime in stage3/runtime.py for stage 3) with one interface, engine/runtime.py's
+`Runtime`; `Engine.__init__` is the one place that looks at the stage, to choose it.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 import weakref
 from enum import Enum
@@ -18,9 +19,10 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
+from zero_offload.engine.model.weights_files import Weights
+from zero_offload.engine.runtime import ModelView, Runtime, Standing, TrainingState
 from zero_offload.engine.step.param_groups import resolve as resolve_groups, runs as group_runs
 from zero_offload.engine.step.shard_optimizer import DTYPES, HandOverFailed
-from zero_offload.engine.model.weights_files import Weights
 from zero_offload.io import swap_files
 
 
@@ -63,6 +65,59 @@ class PhaseMachine:
         self._move("backward()", (Phase.BACKWARD,), Phase.IDLE, "internal error: no backward to abort")
 
 
+class Health(Enum):
+    """Whether the engine may train: OK; STOPPED (a step or backward failed in a way that leaves
+    no state to go on from: forward, backward, step and saves refuse until a load succeeds);
+    LOAD_FAILED (a load stopped part way, or is in progress: the state is partly overwritten);
+    CLOSED (for good)."""
+
+    OK = "ok"
+    STOPPED = "stopped"
+    LOAD_FAILED = "load failed"
+    CLOSED = "closed"
+
+
+class HealthState:
+    """The engine's Health and why; each transition names the states it may leave and raises
+    from any other (nothing leaves CLOSED; only a successful load leaves LOAD_FAILED)."""
+
+    def __init__(self) -> None:
+        self.health = Health.OK
+        self.reason: str | None = None
+
+    def _move(self, what: str, allowed: tuple[Health, ...], to: Health, reason: str | None) -> None:
+        if self.health not in allowed:
+            raise EngineStateError(f"internal error: engine health {self.health.value} cannot {what}")
+        self.health, self.reason = to, reason
+
+    def stop(self, reason: str) -> None:
+        """A failure left nothing to go on from (see Engine._abort_backward, _runtime_step)."""
+        self._move("stop", (Health.OK,), Health.STOPPED, reason)
+
+    def resume(self) -> None:
+        """A stop withdrawn without a load (engine.stopped = None)."""
+        self._move("resume", (Health.STOPPED,), Health.OK, None)
+
+    def begin_load(self) -> None:
+        """A verified checkpoint is about to be written: a failure from here leaves a mixture."""
+        self._move("begin a load", (Health.OK, Health.STOPPED, Health.LOAD_FAILED), Health.LOAD_FAILED,
+                   "a load is in progress")
+
+    def load_failed(self, reason: str) -> None:
+        self._move("fail a load", (Health.LOAD_FAILED,), Health.LOAD_FAILED, reason)
+
+    def loaded(self) -> None:
+        """The load rewrote the whole state (partial sums and every replica with it)."""
+        self._move("finish a load", (Health.LOAD_FAILED,), Health.OK, None)
+
+    def close(self) -> None:
+        self.health, self.reason = Health.CLOSED, None  # from any state, and again (close is idempotent)
+
+    def why(self, health: Health) -> str | None:
+        """The reason when the engine is in `health`, else None."""
+        return self.reason if self.health is health else None
+
+
 def _device_for(model: torch.nn.Module) -> torch.device:
     """The compute device: CUDA when present, else the CPU. The GPU is LOCAL_RANK's under
     torchrun; without LOCAL_RANK (mpirun, SLURM, a group made by hand) the one the process chose
@@ -96,12 +151,11 @@ class Engine:
         self.dtype = DTYPES[config.precision.dtype]
         self.orig_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
         self.phase = PhaseMachine()
+        self.health = HealthState()  # OK, STOPPED, LOAD_FAILED, CLOSED (see _require_loaded)
         self.micro_step = 0
         self.global_steps = 0
-        self.load_failed: str | None = None  # why the last load_checkpoint stopped part way, if it did
-        self.stopped: str | None = None  # why training cannot go on until a load (see _require_loaded)
         self._hyper: list[tuple] | None = None  # hyperparameters when the last backward began
-        self.closed = False
+        self.runtime: Runtime
         self._preemption: Any = None  # the signal handlers of preemption.handle_signals
         # What the pre-emption checkpoint saves as client_state: a callable returning it, e.g.
         # lambda: {"scheduler": scheduler.state_dict()}; None saves none.
@@ -113,7 +167,7 @@ class Engine:
             from zero_offload.engine.stage3.runtime import Stage3Runtime
 
             self.module = model
-            self.runtime: Any = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
+            self.runtime = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
         else:
             self._build_bucket_runtime(model, config, init_fn, weights)
         # An engine dropped without close() still lets its threads, files and swap-folder locks go
@@ -164,6 +218,36 @@ class Engine:
         return self.runtime.optimizer
 
     @property
+    def closed(self) -> bool:
+        return self.health.health is Health.CLOSED
+
+    @property
+    def load_failed(self) -> str | None:
+        """Why the last load_checkpoint stopped part way (or that one is in progress), if it did."""
+        return self.health.why(Health.LOAD_FAILED)
+
+    @property
+    def stopped(self) -> str | None:
+        """Why training cannot go on until a load (see _require_loaded), if it cannot."""
+        return self.health.why(Health.STOPPED)
+
+    @stopped.setter
+    def stopped(self, reason: str | None) -> None:
+        """Only None, withdrawing a stop (tests of the checks behind it); a stop has its reason."""
+        if reason is not None:
+            raise EngineStateError("engine.stopped can only be cleared (set to None)")
+        self.health.resume()
+
+    @property
+    def model_view(self) -> ModelView:
+        """The model as the state code (checkpoints, exports) reads it beside the runtime."""
+        return ModelView(self.module, self.device, self.orig_dtypes)
+
+    @property
+    def training_state(self) -> TrainingState:
+        return TrainingState(self.global_steps, self.micro_step)
+
+    @property
     def is_boundary(self) -> bool:
         """Whether the current micro-batch ends a gradient-accumulation cycle."""
         return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
@@ -179,8 +263,7 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._require_loaded("forward")
-        if self.config.stage == 3:
-            self.runtime.refuse_compiled(self.module)
+        self.runtime.refuse_compiled(self.module)
         if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
             self.runtime.begin_forward(self.is_boundary)
         self.phase.start_forward()
@@ -242,19 +325,19 @@ class Engine:
         finally:
             self.phase.abort_backward()
             if touched and self.config.gradient_accumulation_steps > 1:
-                self.stopped = (f"a backward failed part way through a gradient-accumulation cycle "
-                                f"({type(exc).__name__}: {exc}) after some partial gradient sums had taken "
-                                "its gradients")
+                self.health.stop(f"a backward failed part way through a gradient-accumulation cycle "
+                                 f"({type(exc).__name__}: {exc}) after some partial gradient sums had taken "
+                                 "its gradients")
             elif comm.world_size() > 1:  # not agreed: the other ranks may wait in its collectives
-                self.stopped = (f"a backward failed on this rank ({type(exc).__name__}: {exc}); with D > 1 the "
-                                "other ranks may be waiting in its reductions, or stepped other shards")
-            elif self.runtime.shard_optimizer.pipeline.failed_hand_over:  # as after a step (_runtime_step)
-                self.stopped = (f"a backward failed ({type(exc).__name__}: {exc}) and a stepped shard's hand-over "
-                                "failed after it; its compute copy or step count may lag its master shard")
-            elif (mixed := self.runtime.shard_optimizer.mixed_steps()) is not None:
-                self.stopped = (f"a backward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
-                                f"after the overlapped step had updated some shards ({mixed}); "
-                                "overlap_step=False keeps a failed backward from stepping anything")
+                self.health.stop(f"a backward failed on this rank ({type(exc).__name__}: {exc}); with D > 1 the "
+                                 "other ranks may be waiting in its reductions, or stepped other shards")
+            elif (standing := self.runtime.standing()).failed_hand_over:  # as after a step (_runtime_step)
+                self.health.stop(f"a backward failed ({type(exc).__name__}: {exc}) and a stepped shard's hand-over "
+                                 "failed after it; its compute copy or step count may lag its master shard")
+            elif (mixed := standing.mixed_steps) is not None:
+                self.health.stop(f"a backward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
+                                 f"after the overlapped step had updated some shards ({mixed}); "
+                                 "overlap_step=False keeps a failed backward from stepping anything")
 
     def _hyperparameters(self) -> list[tuple] | None:
         """The param_groups' hyperparameters as the overlapped step reads them: during backward,
@@ -268,11 +351,6 @@ class Engine:
             warnings.warn("engine.step(): lr, betas, eps or weight_decay changed after engine.backward(); the "
                           "overlapped step had used the values set when backward began, the new ones apply from the "
                           "next step (set them before the forward, or use overlap_step=False)", stacklevel=3)
-
-    def _gathers_updates(self) -> bool:
-        """Stages 1-2 with D > 1: updated shards reach the compute copy only by the all-gathers
-        at the end of a whole step (an interrupt skips them; stage 3 streams each update)."""
-        return self.config.stage in (1, 2) and comm.world_size() > 1
 
     def _replicated_ranks(self) -> bool:
         return self.runtime.replicated and comm.world_size() > 1
@@ -311,25 +389,27 @@ class Engine:
         try:
             return self.runtime.step()
         except BaseException as exc:  # an interrupt too: the boundary backward took the partial sums
-            so = self.runtime.shard_optimizer
-            if isinstance(exc, HandOverFailed) or (so.pipeline.failed_hand_over and not isinstance(exc, Exception)):
-                self.stopped = (f"a step failed or was interrupted while handing over a stepped shard ({exc!r}); "
-                                "its compute copy or step count may lag its master shard")
-            elif self.config.gradient_accumulation_steps > 1:
-                self.stopped = f"a step failed ({exc}) after taking the gradient-accumulation cycle's partial sums"
-            elif self._replicated_ranks() and not isinstance(exc, Exception):  # not agreed: no collective
-                self.stopped = f"a step was interrupted ({type(exc).__name__}); the stage-0 replicas may differ"
-            elif self._gathers_updates() and not isinstance(exc, Exception):
-                self.stopped = (f"a step was interrupted ({type(exc).__name__}) before the updated shards were "
-                                "all-gathered; the compute copy lags the master shards")
-            elif self._replicated_ranks() and not comm.all_agree((sorted(so.steps.items()),
-                                                                  sorted(so.sub_steps.items()))):
-                self.stopped = f"a step failed ({exc}) and left the stage-0 replicas different"
-            elif so.steps_apart is not None:
-                why = (str(exc).strip().splitlines() or [""])[0]  # the refusals that quote it stay one line
-                self.stopped = (f"a step failed or was interrupted part way ({type(exc).__name__}: {why}) and left "
-                                f"the optimizer shards at different steps ({so.steps_apart})")
+            self._stop_after_step(exc, self.runtime.standing())
             raise
+
+    def _stop_after_step(self, exc: BaseException, st: Standing) -> None:
+        """Whether (and why) the step that raised `exc` leaves the engine STOPPED; see _runtime_step."""
+        if isinstance(exc, HandOverFailed) or (st.failed_hand_over and not isinstance(exc, Exception)):
+            self.health.stop(f"a step failed or was interrupted while handing over a stepped shard ({exc!r}); "
+                             "its compute copy or step count may lag its master shard")
+        elif self.config.gradient_accumulation_steps > 1:
+            self.health.stop(f"a step failed ({exc}) after taking the gradient-accumulation cycle's partial sums")
+        elif self._replicated_ranks() and not isinstance(exc, Exception):  # not agreed: no collective
+            self.health.stop(f"a step was interrupted ({type(exc).__name__}); the stage-0 replicas may differ")
+        elif self.runtime.gathers_updates() and not isinstance(exc, Exception):
+            self.health.stop(f"a step was interrupted ({type(exc).__name__}) before the updated shards were "
+                             "all-gathered; the compute copy lags the master shards")
+        elif self._replicated_ranks() and not comm.all_agree(st.counts):
+            self.health.stop(f"a step failed ({exc}) and left the stage-0 replicas different")
+        elif st.steps_apart is not None:
+            why = (str(exc).strip().splitlines() or [""])[0]  # the refusals that quote it stay one line
+            self.health.stop(f"a step failed or was interrupted part way ({type(exc).__name__}: {why}) and left "
+                             f"the optimizer shards at different steps ({st.steps_apart})")
 
     @property
     def grad_norm(self) -> float | None:
@@ -356,23 +436,15 @@ class Engine:
 
         self._require_idle("gathered")
         wanted = wanted_params(params, self.module)
-        if self.config.stage == 3:
-            with self.runtime.gathered(wanted, modify):
-                yield
-            return
-        yield
-        if modify and comm.world_size() > 1:  # the stage 0-2 runtime takes edits at the next backward
-            with torch.no_grad():
-                for p in wanted:
-                    values = p.detach().clone()
-                    p.copy_(comm.broadcast_(values, 0))
+        with self.runtime.gathered(wanted, modify):
+            yield
 
     def memory_report(self, verbose: bool = True) -> dict:
         """Ideal vs retained vs peak bytes per tier x group; prints the table on rank 0 if verbose."""
         from zero_offload.engine.memory import memory_report
 
         self._require_open("memory_report")
-        report = memory_report(self)
+        report = memory_report(self.runtime, self.config, self.device)
         if verbose and comm.rank() == 0:
             print(report["table"])
         return report
@@ -390,7 +462,7 @@ class Engine:
             raise EngineStateError(f"engine.save_checkpoint after micro-batch {self.micro_step % gas} of {gas} of a "
                                    "gradient-accumulation cycle: partial gradient sums are not saved; save after the "
                                    "step that ends the cycle")
-        save(self, path, client_state)
+        save(self.runtime, self.model_view, self.training_state, self.config, path, client_state)
 
     def load_checkpoint(self, path: str) -> dict[Any, Any] | None:
         """Restore the training state saved at `path`; returns the client_state saved with it (None
@@ -398,25 +470,27 @@ class Engine:
         anything changes: a refused checkpoint leaves the engine as it was, trainable. Only an I/O
         failure once the state is being written (a file that changed since it was verified, the
         engine's own store failing) leaves it refusing to train or save until a load succeeds."""
-        from zero_offload.engine.state.checkpoint import load
+        from zero_offload.engine.state.checkpoint import apply_load, prepare_load
 
         self._require_idle("load_checkpoint")
         try:
-            client_state = load(self, path)
+            plan = prepare_load(self.runtime, self.model_view, self.config, path)  # refused: nothing changed
+            self.health.begin_load()
+            state = apply_load(self.runtime, self.model_view, self.config, plan)
         except BaseException as exc:
-            if self.load_failed is not None:
-                self.load_failed = f"{type(exc).__name__}: {exc}"
+            if self.health.health is Health.LOAD_FAILED:  # this load's failure, or a refusal after a failed one
+                self.health.load_failed(f"{type(exc).__name__}: {exc}")
             raise
-        self.stopped = None  # the partial sums and every replica were rewritten with the rest of the state
-        return client_state
+        self.global_steps, self.micro_step = state.global_steps, state.micro_step
+        self.health.loaded()  # the partial sums and every replica were rewritten with the rest of the state
+        comm.barrier()
+        return plan.client_state
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and buffers) on rank 0, loadable into the plain model; {} elsewhere.
         A collective: every rank must call it."""
-        from zero_offload.engine.state.checkpoint import consolidated_state_dict
-
         self._require_loaded("consolidated_state_dict")
-        return consolidated_state_dict(self)
+        return self.runtime.consolidated(self.orig_dtypes)
 
     def save_safetensors(self, directory: str, keys: Any = None, *, max_shard_size: int | None = None,
                          write: bool | None = None) -> dict[str, str]:
@@ -430,7 +504,8 @@ class Engine:
         self._require_idle("save_safetensors")
         self._require_loaded("save_safetensors")
         size = export.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
-        return export.save_safetensors(self, directory, keys, max_shard_size=size, write=write)
+        return export.save_safetensors(self.runtime, self.model_view, directory, keys, max_shard_size=size,
+                                       write=write)
 
     def export_state_dict(self, keys: Any) -> dict[str, torch.Tensor]:
         """The values of `keys` of the model's state_dict on every rank, as save_safetensors
@@ -440,19 +515,21 @@ class Engine:
 
         self._require_idle("export_state_dict")
         self._require_loaded("export_state_dict")
-        return export.state_dict(self, list(keys))
+        return export.state_dict(self.runtime, self.model_view, list(keys))
 
     def _require_open(self, call: str) -> None:
-        if self.closed:
+        if self.health.health is Health.CLOSED:
             raise EngineStateError(f"engine.{call}: the engine was closed")
 
     def _require_loaded(self, call: str) -> None:
+        """OK, or STOPPED for consolidated_state_dict (the weights of a stopped engine still read)."""
         self._require_open(call)
-        if self.load_failed is not None:
-            raise EngineStateError(f"engine.{call}: the last load_checkpoint stopped part way ({self.load_failed}) "
+        health, why = self.health.health, self.health.reason
+        if health is Health.LOAD_FAILED:
+            raise EngineStateError(f"engine.{call}: the last load_checkpoint stopped part way ({why}) "
                                    "and left the state partly overwritten; load a checkpoint that loads")
-        if self.stopped is not None and call != "consolidated_state_dict":
-            raise EngineStateError(f"engine.{call}: {self.stopped}; load a checkpoint to go on")
+        if health is Health.STOPPED and call != "consolidated_state_dict":
+            raise EngineStateError(f"engine.{call}: {why}; load a checkpoint to go on")
 
     def _require_idle(self, call: str) -> None:
         self._require_open(call)
@@ -466,7 +543,7 @@ class Engine:
         be deleted raises `FilesLeft`, naming each file that remains on disk; calling close()
         again tries again. The path is released however close() ends: a new engine on it reuses
         or removes what is left, as after a crash."""
-        self.closed = True
+        self.health.close()
         if self._preemption is not None:
             self._preemption.restore()
         try:

@@ -17,7 +17,7 @@ every gradient; the padding in what is held is named.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 import torch
@@ -25,47 +25,19 @@ import torch
 from zero_offload import comm, ledger
 from zero_offload.ledger import GROUPS
 from zero_offload.tiers import TIERS
+from zero_offload.config import Config
+from zero_offload.engine.runtime import FROZEN_ROW, Runtime, grads_by_tier, grads_slot_rounding, padding
 
-if TYPE_CHECKING:
-    from zero_offload.engine.engine import Engine
-    from zero_offload.partition import FlatLayout
-
-FROZEN_ROW = "frozen parameters (not in the ledger)"  # whole at stages 0-2, this rank's shards at stage 3
-
-
-def padding(held: dict[str, int], layouts: dict[str, "FlatLayout"]) -> float:
-    """Bytes of padding in held tensors (key -> bytes), each a shard or the whole flat buffer of
-    its key's layout: either way padded in the proportion padded_numel : numel. Against the
-    ledger's even split of P, a shard's padding is its share of the layout's (the last rank's
-    shard holding all of it changes no rank's size)."""
-    return sum(n * (layouts[k].padded_numel - layouts[k].numel) / layouts[k].padded_numel
-               for k, n in held.items() if k in layouts)
-
-
-def grads_slot_rounding(stores_bytes: int, held_bytes: int, addressable: bool) -> int:
-    """Bytes the grads tier's stores hold beyond the gradients in them: NVMe slots are whole
-    pages (a resident tier holds exactly the tensors)."""
-    return 0 if addressable else stores_bytes - held_bytes
-
-
-def grads_by_tier(stores: list[Any]) -> dict[tuple[str, str], tuple[int, int]]:
-    """(held, peak) of the gradient stores under each one's own tier: with CUDA, a host
-    optimizer keeps the grad shards it waits for in host memory whatever tiers.grads says."""
-    out: dict[tuple[str, str], tuple[int, int]] = {}
-    for s in stores:
-        held, peak = out.get(("gradients", s.tier), (0, 0))
-        out[("gradients", s.tier)] = (held + s.bytes_retained(), peak + s.peak_bytes())
-    return out
+__all__ = ["FROZEN_ROW", "GROUPS", "TIERS", "grads_by_tier", "grads_slot_rounding", "memory_report", "padding"]
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:10.3f}"
 
 
-def memory_report(engine: "Engine") -> dict[str, Any]:
-    """The report as a dict; its 'table' entry is the printable form."""
-    rt = engine.runtime
-    cfg = engine.config
+def memory_report(rt: Runtime, cfg: Config, device: torch.device) -> dict[str, Any]:
+    """The report as a dict; its 'table' entry is the printable form. The runtime names its
+    bytes (retained, extras, limits); the rows, notes and table are assembled here."""
     led = ledger.ideal(rt.trainable_numel(), comm.world_size(), cfg.stage, cfg.precision.dtype,
                        {"params": cfg.tiers.params, "grads": cfg.tiers.grads, "optimizer": cfg.tiers.optimizer})
     held = rt.retained()
@@ -79,9 +51,9 @@ def memory_report(engine: "Engine") -> dict[str, Any]:
                              "difference": now - ideal})
     other = rt.extras()
     process = {"rss": psutil.Process().memory_info().rss}
-    if torch.cuda.is_available() and engine.device.type == "cuda":
-        process["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(engine.device)
-        process["cuda_memory_allocated"] = torch.cuda.memory_allocated(engine.device)
+    if torch.cuda.is_available() and device.type == "cuda":
+        process["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        process["cuda_memory_allocated"] = torch.cuda.memory_allocated(device)
     report = {"params": rt.trainable_numel(), "world": comm.world_size(), "stage": cfg.stage,
               "precision": cfg.precision.dtype, "rows": rows, "other": other, "limits": rt.limits(), "process": process}
     report["notes"] = _notes(rows, cfg.stage, rt.shard_optimizer.eager)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import warnings
 from typing import Any, Mapping
 

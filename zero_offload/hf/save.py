@@ -79,7 +79,8 @@ def save_pretrained(engine: Engine, save_directory: str, *, model: nn.Module | N
 def meta_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
     """The state dict as meta tensors (shapes and saved dtypes): what transformers and PEFT look
     at to choose keys, with no value read."""
-    return {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in tensor_specs(engine).items()}
+    specs = tensor_specs(engine.runtime, engine.model_view)
+    return {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in specs.items()}
 
 
 def saved_keys(model: nn.Module, meta: dict[str, torch.Tensor]) -> list[str] | None:

@@ -1,29 +1,28 @@
-"""Stages 0-2 behind the runtime interface the Engine drives (stage 3 provides the same methods).
+"""Stages 0-2 behind the runtime interface the Engine drives (engine/runtime.py's `Runtime`;
+stage 3 provides the same methods).
 
 The runtime owns what differs between stages: how gradients become grad shards (grads.py), the
 ShardOptimizer those shards go to, and how updated shards become the compute copy again (stage
 0: in place; stage 1-2: all-gather of the updated shards). It also describes its shards for
 checkpoints (`shard_map`) so checkpoint.py never looks inside a stage.
-
-Runtime interface used by engine.py and checkpoint.py:
-  begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
-  backward_touched() -> bool / abort_backward(): after a backward raised (was anything reduced? then clean up)
-  shard_map() -> {key: [(param_name, param_offset, shard_offset, numel), ...]} for this rank
-  frozen_map() / frozen_shapes(): the same for frozen state kept outside the module (stage 3 only)
-  param_shapes() -> {param_name: shape}; replicated: bool; refresh_params() (compute copy from masters)
-  retained() -> {(group, tier): bytes}; extras() -> {name: bytes}; limits() -> {name: bytes}; trainable_numel() -> int
 """
 from __future__ import annotations
 
+import contextlib
+from functools import partial
+from typing import Iterator, Mapping
+
 import torch
+from torch import nn
 
 from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.step.accumulate import Accumulator
 from zero_offload.engine.buckets.grads import Bucket, GradReducer, make_buckets
-from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.model.attributes import check_bindings, param_bindings
+from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, Standing, grads_by_tier, grads_slot_rounding,
+                                          padding, standing_of)
 from zero_offload.engine.step.pipeline import hands_over_master
 from zero_offload.store import make_store
 
@@ -35,13 +34,14 @@ class BucketRuntime:
 
     def __init__(self, model: torch.nn.Module, config: Config, device: torch.device) -> None:
         self.config = config
+        self.module = model
         self.device = device
         self.world, self.rank = comm.world_size(), comm.rank()
         self.dtype = DTYPES[config.precision.dtype]
         self.replicated = config.stage == 0
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]  # the memory report's row
-        self.slots = param_bindings(model)
+        self.bindings = param_bindings(model)
         self.buckets = make_buckets(named[::-1], config.bucket_bytes, 1 if self.replicated else self.world)
         opt_bytes = sum(b.layout.shard_numel for b in self.buckets) * 4
         self.shard_optimizer = ShardOptimizer(config, device, self._on_updated,
@@ -90,7 +90,7 @@ class BucketRuntime:
             self.shard_optimizer.prefetch()
 
     def begin_backward(self, boundary: bool) -> None:
-        check_bindings(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
+        check_bindings(self.bindings)  # a parameter replaced, frozen or unfrozen since initialize
         self._take_edits()
         self.reducer.begin(boundary)
 
@@ -137,6 +137,28 @@ class BucketRuntime:
         finally:
             self._to_gather.clear()  # D > 1: installed only after a whole step, which this was not
             self._stamp_all()
+
+    def refuse_compiled(self, module: nn.Module) -> None:
+        """Nothing to refuse: stages 0-2 run a compiled model (their hooks are on gradients)."""
+
+    def standing(self) -> Standing:
+        return standing_of(self.shard_optimizer)
+
+    def gathers_updates(self) -> bool:
+        """Stages 1-2 with D > 1: updated shards reach the compute copy only by the all-gathers
+        at the end of a whole step (an interrupt skips them)."""
+        return not self.replicated and self.world > 1
+
+    @contextlib.contextmanager
+    def gathered(self, params: list[nn.Parameter], modify: bool) -> Iterator[None]:
+        """Parameters are whole anyway; with `modify` at D > 1 rank 0's values become every
+        rank's when the block ends (the next backward takes them as edits, _take_edits)."""
+        yield
+        if modify and self.world > 1:
+            with torch.no_grad():
+                for p in params:
+                    values = p.detach().clone()
+                    p.copy_(comm.broadcast_(values, 0))
 
     def _sink(self, bucket: Bucket, shard: torch.Tensor, missing: list[tuple[int, int]] | tuple = ()) -> None:
         self.shard_optimizer.grad_ready(bucket.key, shard, owned=True, missing=missing)
@@ -233,6 +255,49 @@ class BucketRuntime:
 
     def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
         return {}
+
+    def read_frozen(self, key: str) -> torch.Tensor:
+        raise KeyError(f"stages 0-2 keep no frozen shard {key!r}: frozen parameters stay in the module")
+
+    def write_frozen(self, key: str, values: torch.Tensor) -> None:
+        raise KeyError(f"stages 0-2 keep no frozen shard {key!r}: frozen parameters stay in the module")
+
+    def shards_frozen(self) -> bool:
+        """Frozen parameters stay in the module (model.pt of a checkpoint)."""
+        return False
+
+    def held_params(self) -> set[int]:
+        """Every parameter is whole in the module."""
+        return set()
+
+    def flat_sources(self) -> list[FlatSource]:
+        """Each bucket, its values from the fp32 master shard."""
+        so = self.shard_optimizer
+        return [FlatSource(b.layout, b.params, torch.float32, partial(so.master, b.key)) for b in self.buckets]
+
+    def consolidated(self, orig_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on rank 0 (buffers and frozen parameters in their original dtype);
+        {} on other ranks. A collective at stages 1-2 (the masters are summed over ranks)."""
+        full = {name: torch.zeros(torch.Size(shape).numel(), dtype=torch.float32)
+                for name, shape in self.param_shapes().items()}
+        if self.rank == 0 or not self.replicated:
+            for key, pieces in self.shard_map().items():
+                master = self.shard_optimizer.master(key)
+                for name, poff, soff, n in pieces:
+                    full[name][poff:poff + n].copy_(master[soff:soff + n])
+        if not self.replicated:
+            for t in full.values():
+                comm.all_reduce_(t)
+        if self.rank != 0:
+            return {}
+        by_id = {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            if id(v) in by_id:
+                out[k] = full[by_id[id(v)]].view(v.shape).clone()
+            else:
+                out[k] = v.detach().to("cpu", orig_dtypes[k]).clone()
+        return out
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for b in self.buckets for n, p in zip(b.names, b.params)}

@@ -4,5 +4,5 @@
 `policy` chooses which modules are units; `prefetch` gathers ahead of the schedule; `hooks`
 installs the module and autograd hooks; `gathered` lends the full parameters to user code;
 `runtime.Stage3Runtime` is the stage-3 runtime behind the facade. May import `engine.step`,
-`engine.model` and layers below the engine; never `engine.buckets` or the facade.
+`engine.model`, the seam `engine.runtime` and layers below the engine; never `engine.buckets` or the facade.
 """

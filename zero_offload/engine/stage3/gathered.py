@@ -13,17 +13,30 @@ The units come and go outside any pass: the traced schedule is not told, the liv
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator, Protocol
 
 import torch
 from torch import nn
 
 from zero_offload import comm
-from zero_offload.engine.stage3.prefetch import check_same_unit
+from zero_offload.engine.stage3.prefetch import Prefetcher, check_same_unit
 from zero_offload.engine.stage3.unit import FlatGroup, Unit, UnitState
+from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
-if TYPE_CHECKING:
-    from zero_offload.engine.stage3.runtime import Stage3Runtime
+
+class Gathers(Protocol):
+    """What engine.gathered needs of the stage-3 runtime (Stage3Runtime provides it): its units,
+    the prefetcher whose budget counts them, the shard optimizer whose masters a modify writes,
+    and the pair that refuses a gathered block inside a pass or another block."""
+
+    units: list[Unit]
+    prefetcher: Prefetcher
+    shard_optimizer: ShardOptimizer
+    rank: int
+
+    def begin_gathered(self) -> None: ...
+
+    def end_gathered(self) -> None: ...
 
 
 def wanted_params(what: nn.Module | nn.Parameter | Iterable[nn.Module | nn.Parameter] | None,
@@ -44,7 +57,7 @@ def wanted_params(what: nn.Module | nn.Parameter | Iterable[nn.Module | nn.Param
     return out
 
 
-def units_of(rt: "Stage3Runtime", params: list[nn.Parameter]) -> list[Unit]:
+def units_of(rt: Gathers, params: list[nn.Parameter]) -> list[Unit]:
     """The units holding `params`, in unit order; a tensor that is no parameter of the engine's
     model is refused (it would silently stay as it is)."""
     home = {id(p): u for u in rt.units for p in u.params()}
@@ -57,19 +70,17 @@ def units_of(rt: "Stage3Runtime", params: list[nn.Parameter]) -> list[Unit]:
 
 
 @contextlib.contextmanager
-def gathered(rt: "Stage3Runtime", params: list[nn.Parameter], modify: bool) -> Iterator[None]:
+def gathered(rt: Gathers, params: list[nn.Parameter], modify: bool) -> Iterator[None]:
     """Gather the units holding `params` for the block; see the module docstring."""
-    if any(rt._refs.values()):
-        raise RuntimeError("engine.gathered: a forward's units are still in use (call it after engine.step(), "
-                           "or after an evaluation forward, not between a forward and its backward)")
-    if rt.gathering:  # the inner block's release_all would take the outer one's units away
-        raise RuntimeError("engine.gathered: already inside engine.gathered(); name every parameter or module "
-                           "you need in one call")
-    units = units_of(rt, params)
-    _check_fits(rt, units)
-    rt.prefetcher.release_all()  # read-aheads: their bytes back, and no fetch runs beside the writes below
+    rt.begin_gathered()  # refused inside a pass, or inside another block (its release_all would take these)
+    try:
+        units = units_of(rt, params)
+        _check_fits(rt, units)
+        rt.prefetcher.release_all()  # read-aheads: their bytes back, and no fetch runs beside the writes below
+    except BaseException:
+        rt.end_gathered()
+        raise
     taken: list[Unit] = []
-    rt.gathering = True
     try:
         for u in units:
             if not u.resident:
@@ -80,12 +91,12 @@ def gathered(rt: "Stage3Runtime", params: list[nn.Parameter], modify: bool) -> I
             for u in units:
                 _write_back(rt, u)
     finally:
-        rt.gathering = False
+        rt.end_gathered()
         for u in taken:
             _release(rt, u)
 
 
-def _check_fits(rt: "Stage3Runtime", units: list[Unit]) -> None:
+def _check_fits(rt: Gathers, units: list[Unit]) -> None:
     need = sum(u.nbytes for u in units if not u.resident)
     limit = rt.prefetcher.budget.limit
     if need > limit:
@@ -94,7 +105,7 @@ def _check_fits(rt: "Stage3Runtime", units: list[Unit]) -> None:
                            "parameters or modules at a time")
 
 
-def _gather(rt: "Stage3Runtime", u: Unit) -> None:
+def _gather(rt: Gathers, u: Unit) -> None:
     check_same_unit(u)  # every rank gathers the same units (a collective each)
     rt.prefetcher.budget.take(u.nbytes)
     try:
@@ -106,7 +117,7 @@ def _gather(rt: "Stage3Runtime", u: Unit) -> None:
         raise
 
 
-def _release(rt: "Stage3Runtime", u: Unit) -> None:
+def _release(rt: Gathers, u: Unit) -> None:
     try:
         if u.state is UnitState.GATHERED:
             u.release()
@@ -116,7 +127,7 @@ def _release(rt: "Stage3Runtime", u: Unit) -> None:
         rt.prefetcher.budget.give(u.nbytes)
 
 
-def _write_back(rt: "Stage3Runtime", u: Unit) -> None:
+def _write_back(rt: Gathers, u: Unit) -> None:
     """Rank 0's values of every group of `u` become every rank's shards (a resident unit, which
     stays gathered, has every rank's slot from the broadcast already)."""
     for g in u.groups:

@@ -1,14 +1,9 @@
 """ZeRO stage 3 (ZeRO-Infinity): parameters partitioned, gathered unit by unit, on any tier.
 
-Stage3Runtime provides the runtime interface the Engine drives (the same as runtime.BucketRuntime):
-    Stage3Runtime(model, config, device, *, init_fn=None, weights=None)
-    begin_forward(boundary) / begin_backward(boundary) / end_backward() / step() -> bool / optimizer / shard_optimizer
-    shard_map() / frozen_map() / frozen_shapes() / param_shapes() / replicated / refresh_params()
-    retained() / extras() / limits()
-    trainable_numel() / close()
-plus, for stage 3 only: read_frozen() / write_frozen() (frozen groups' shards, for checkpoints),
-consolidated_state_dict() (collective; full fp32 weights by name),
-stats() (live budget, peak gathered bytes, fetch counts) and `units`.
+Stage3Runtime provides the runtime interface the Engine drives (engine/runtime.py's `Runtime`,
+as BucketRuntime does), plus consolidated_state_dict() (collective; full fp32 weights by name on
+every rank), stats() (live budget, peak gathered bytes, fetch counts), `units`, and for
+gathered.py begin_gathered() / end_gathered().
 The Engine calls the model itself; forward hooks do the rest. A pass starts at the model's
 forward pre-hook and ends at end_backward (or at the next forward, for a forward-only pass).
 
@@ -37,7 +32,8 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,10 +43,11 @@ from zero_offload.config import Config, ConfigError
 from zero_offload.engine.stage3 import hooks
 from zero_offload.engine.model import materialize
 from zero_offload.engine.step.accumulate import Accumulator, missing_ranges
-from zero_offload.engine.memory import FROZEN_ROW, grads_by_tier, grads_slot_rounding, padding
 from zero_offload.engine.stage3.prefetch import BudgetExceeded, Prefetcher, check_same_unit
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.model.attributes import check_bindings, param_bindings
+from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, Standing, grads_by_tier, grads_slot_rounding,
+                                          padding, standing_of)
 from zero_offload.engine.stage3.unit import FlatGroup, StagingPool, Unit, UnitState
 from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
@@ -111,7 +108,7 @@ class Stage3Runtime:
         self.params_store = None
         try:
             self._make_units(plan, elem, shapes)
-            self.slots = param_bindings(model)  # after a meta model's parameters were replaced
+            self.bindings = param_bindings(model)  # after a meta model's parameters were replaced
             self._check_budget(plan)
             # Units gathered around other units (the root): see _held_to_end (every chain counts
             # them in the budget already).
@@ -189,6 +186,21 @@ class Stage3Runtime:
         from zero_offload.engine.stage3.gathered import gathered
 
         return gathered(self, params, modify)
+
+    def begin_gathered(self) -> None:
+        """engine.gathered's units are about to be gathered: refused while a forward's units are
+        in use, or inside another engine.gathered (whose units its release_all would take)."""
+        if any(self._refs.values()):
+            raise RuntimeError("engine.gathered: a forward's units are still in use (call it after engine.step(), "
+                               "or after an evaluation forward, not between a forward and its backward)")
+        if self.gathering:
+            raise RuntimeError("engine.gathered: already inside engine.gathered(); name every parameter or module "
+                               "you need in one call")
+        self.gathering = True
+
+    def end_gathered(self) -> None:
+        """engine.gathered's block is over (however it ended)."""
+        self.gathering = False
 
     # ---- construction ----
     def _make_units(self, plan: Plan, elem: int, shapes: dict[int, torch.Size]) -> None:
@@ -528,7 +540,7 @@ class Stage3Runtime:
         """Checks first (nothing is reduced yet): the parameters and which of them train are
         fixed at initialize. A stale .grad (held before initialize, or left by a refused
         loss.backward()) would be summed into this backward's by autograd: dropped."""
-        check_bindings(self.slots)  # a parameter replaced, frozen or unfrozen since initialize
+        check_bindings(self.bindings)  # a parameter replaced, frozen or unfrozen since initialize
         for u in self.units:
             for p in u.params():
                 p.grad = None
@@ -684,6 +696,13 @@ class Stage3Runtime:
         unit, _ = self.by_key[key]
         return unit.read_shard(key)
 
+    def standing(self) -> Standing:
+        return standing_of(self.shard_optimizer)
+
+    def gathers_updates(self) -> bool:
+        """No: each updated shard streams to the params tier as it is stepped."""
+        return False
+
     # ---- descriptions for checkpoints and the memory report ----
     def _trainable(self) -> list[tuple[Unit, FlatGroup]]:
         return [(u, u.trainable) for u in self.units if u.trainable is not None]
@@ -702,6 +721,30 @@ class Stage3Runtime:
 
     def _pieces(self, g: FlatGroup) -> list[tuple[str, int, int, int]]:
         return [(g.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel) for pc in g.layout.pieces(self.rank)]
+
+    def shards_frozen(self) -> bool:
+        """Frozen parameters inside units live in their units' shards (frozen_map)."""
+        return True
+
+    def held_params(self) -> set[int]:
+        """Every unit's parameters: empty tensors between passes, their values in the shards."""
+        return {id(p) for u in self.units for g in u.groups for p in g.params}
+
+    def flat_sources(self) -> list[FlatSource]:
+        """Each unit's groups: trainable from the fp32 master shard, frozen from the compute copy."""
+        so = self.shard_optimizer
+        return [FlatSource(g.layout, g.params, torch.float32 if g.trainable else self.dtype,
+                           partial(so.master, g.key) if g.trainable else partial(u.read_shard, g.key))
+                for u in self.units for g in u.groups]
+
+    def consolidated(self, orig_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """consolidated_state_dict on rank 0 (every rank gathers), frozen values and buffers in
+        the model's own dtypes; {} elsewhere."""
+        full = self.consolidated_state_dict()  # a collective: every rank gathers
+        if self.rank != 0:
+            return {}
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v if k in trainable else v.to(orig_dtypes.get(k, v.dtype)) for k, v in full.items()}
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(s) for _, g in self._trainable() for n, s in zip(g.names, g.layout.shapes)}
@@ -723,7 +766,7 @@ class Stage3Runtime:
         return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups if not g.trainable)
 
     def _padding(self) -> dict[str, float]:
-        """Each state group's padding (see memory.padding) and the params tier's slot rounding."""
+        """Each state group's padding (see engine.runtime.padding) and the params tier's slot rounding."""
         so, trainable = self.shard_optimizer, [g for _, g in self._trainable()]
         groups = [g for u in self.units for g in u.groups]
         layouts, elem = {g.key: g.layout for g in groups}, {g.key: g.flat.element_size() for g in groups}

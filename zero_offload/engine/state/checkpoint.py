@@ -44,7 +44,7 @@ overwritten), rather than going on with a mixture.
 
 Atomicity: everything is written into `<path>.tmp`, each file fsynced; rank 0 then moves an old
 `<path>` aside to `<path>.old`, renames the new one into place, fsyncs the parent and deletes the
-old one. A crash at any point leaves either `<path>` or `<path>.old` complete, and load() takes
+old one. A crash at any point leaves either `<path>` or `<path>.old` complete, and a load takes
 `<path>.old` when `<path>` is missing. A save refuses a `<path>`, `<path>.tmp` or `<path>.old` that
 holds anything but a checkpoint or a save's leftovers (each save marks its directory first), and a
 path that is or holds the current directory. Multi-node saving needs `path` on a file system shared by
@@ -63,18 +63,18 @@ import shutil
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
+from torch import nn
 
 from zero_offload import comm
+from zero_offload.config import Config
+from zero_offload.engine.runtime import ModelView, Runtime, TrainingState
 from zero_offload.engine.state import manifest_checks
 from zero_offload.engine.step.pipeline import PARTS
 from zero_offload.engine.model.weights_files import refused_pickle
 from zero_offload.io import checksum
-
-if TYPE_CHECKING:
-    from zero_offload.engine.engine import Engine
 
 FORMAT = 2  # 2: whole-file checksums (manifest "checksums"); 1 is still read, verified per tensor
 READABLE = (1, 2)
@@ -181,36 +181,37 @@ def _os_error(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def _non_trainable(engine: "Engine") -> dict[str, torch.Tensor]:
+def _non_trainable(rt: Runtime, module: nn.Module) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters that live in the module itself.
 
     At stage 3 frozen parameters inside units are sharded and released between uses (their tensor
     is empty here); they are saved shard by shard instead (the runtime's frozen_map).
     """
-    trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
-    in_units = set()
-    if engine.config.stage == 3:
-        in_units = {id(p) for u in engine.runtime.units for g in u.groups for p in g.params}
-    return {k: v for k, v in engine.module.state_dict(keep_vars=True).items()
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    in_units = rt.held_params()
+    return {k: v for k, v in module.state_dict(keep_vars=True).items()
             if id(v) not in trainable and id(v) not in in_units}
 
 
-def save(engine: "Engine", path: str, client_state: dict[Any, Any] | None = None) -> None:
-    """Write `engine`'s whole training state to `path` atomically (a collective). The ranks agree
+def save(rt: Runtime, model: ModelView, state: TrainingState, config: Config, path: str,
+         client_state: dict[Any, Any] | None = None) -> None:
+    """Write the engine's whole training state (its runtime's shards, `model`'s module-held
+    tensors, `state`'s counters) to `path` atomically (a collective). The ranks agree
     after each phase (rank 0 making `<path>.tmp`, every rank writing its files, rank 0's manifest
     and swap), so a failure on any rank raises on all of them instead of leaving the others
     waiting; the previous checkpoint stays in place. Rank 0's `client_state` is saved beside."""
     path = _checked_path(path)
     tmp, rank = path + ".tmp", comm.rank()
     client: list[bytes | None] = [None]
-    _agree(_attempt(_check_steps, engine) or _attempt(_check_target, path)
+    _agree(_attempt(_check_steps, rt, state) or _attempt(_check_target, path)
            or (_attempt(_serialize_client, client_state, client) if rank == 0 else None), "will not save there")
     try:
         token = secrets.token_hex(8) if rank == 0 else None
         _agree(_attempt(_make_tmp, tmp, token) if rank == 0 else None, "could not start the checkpoint")
         token = comm.gather_objects(token)[0]
-        _agree(_attempt(_write_rank, engine, tmp, token), "could not write its part of the checkpoint")
-        _agree(_attempt(_finish, engine, tmp, path, client[0]) if rank == 0 else None, "could not finish the checkpoint")
+        _agree(_attempt(_write_rank, rt, model, tmp, token), "could not write its part of the checkpoint")
+        _agree(_attempt(_finish, rt, model, state, config, tmp, path, client[0]) if rank == 0 else None,
+               "could not finish the checkpoint")
     except BaseException:
         # Every rank has agreed on the failure (or this one was interrupted): the half-written
         # save goes, so it neither fills the disk nor is mistaken for a checkpoint. The
@@ -220,12 +221,12 @@ def save(engine: "Engine", path: str, client_state: dict[Any, Any] | None = None
         raise
 
 
-def _check_steps(engine: "Engine") -> None:
+def _check_steps(rt: Runtime, state: TrainingState) -> None:
     """Every shard of this rank must stand at the engine's step (its steps less the skipped
     ones): a checkpoint mixing shards of two steps would resume with some weights and Adam's
     bias correction a step apart. Checked by every rank before anything is written."""
-    so = engine.runtime.shard_optimizer
-    want = engine.global_steps - so.skipped_steps
+    so = rt.shard_optimizer
+    want = state.global_steps - so.skipped_steps
     apart = so.mixed_steps()
     if apart is None:
         off = sorted({n for n in so.sub_steps.values() if n != want})
@@ -295,11 +296,11 @@ def _check_shared(tmp: str, token: str) -> None:
                               "on a file system shared by every rank (the same absolute path on every node)")
 
 
-def _write_rank(engine: "Engine", tmp: str, token: str) -> None:
+def _write_rank(rt: Runtime, model: ModelView, tmp: str, token: str) -> None:
     """This rank's shard files and shard map (one rank at stage 0: the shards are replicated),
     and its RNG states."""
     _check_shared(tmp, token)
-    rt, opt, rank = engine.runtime, engine.runtime.shard_optimizer, comm.rank()
+    opt, rank = rt.shard_optimizer, comm.rank()
     files: dict[str, dict[str, Any]] = {}
     sums: dict[str, int] = {}
     if rank == 0 or not rt.replicated:
@@ -318,16 +319,16 @@ def _write_rank(engine: "Engine", tmp: str, token: str) -> None:
                      "lagging": opt.lagging(shard_map)}, os.path.join(tmp, f"rank{rank}.json"))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state(engine.device)
+        rng["cuda"] = torch.cuda.get_rng_state(model.device)
     _save_tensors(rng, os.path.join(tmp, f"rank{rank}.rng.pt"))
     if comm.world_size() > 1:
-        _save_tensors(_buffers(engine), os.path.join(tmp, f"rank{rank}.buffers.pt"))
+        _save_tensors(_buffers(rt, model.module), os.path.join(tmp, f"rank{rank}.buffers.pt"))
 
 
-def _buffers(engine: "Engine") -> dict[str, torch.Tensor]:
+def _buffers(rt: Runtime, module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's buffers by state_dict name (persistent ones, as model.pt holds them)."""
-    ids = {id(b) for b in engine.module.buffers()}
-    return {k: v for k, v in _non_trainable(engine).items() if id(v) in ids}
+    ids = {id(b) for b in module.buffers()}
+    return {k: v for k, v in _non_trainable(rt, module).items() if id(v) in ids}
 
 
 def _check_target(path: str) -> None:
@@ -348,10 +349,10 @@ def _check_target(path: str) -> None:
                                   "checkpoint (no manifest.json); saving would remove it")
 
 
-def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) -> None:
+def _finish(rt: Runtime, view: ModelView, state: TrainingState, config: Config, tmp: str, path: str,
+            client: bytes | None = None) -> None:
     """Rank 0: the manifest (with every rank's checksums), then the atomic swap into `path`."""
-    rt = engine.runtime
-    model = _save_tensors(_non_trainable(engine), os.path.join(tmp, "model.pt"))
+    model = _save_tensors(_non_trainable(rt, view.module), os.path.join(tmp, "model.pt"))
     files, sums = {"model.pt": model.tensors}, {"model.pt": model.checksum}
     extra = {} if client is None else {"client_state": _write_client(client, tmp)}
     writers = [0] if rt.replicated else list(range(comm.world_size()))
@@ -372,9 +373,9 @@ def _finish(engine: "Engine", tmp: str, path: str, client: bytes | None = None) 
             files[name] = {k: _describe(v) for k, v in saved.items()}
             sums[name] = checksum.file_checksum(os.path.join(tmp, name))  # a small file, just written
     sd = rt.shard_optimizer.state_dict_scalars()
-    manifest = {"format": FORMAT, "world": comm.world_size(), "stage": engine.config.stage,
-                "precision": engine.config.precision.dtype, "writers": writers,
-                "micro_step": engine.micro_step, "global_steps": engine.global_steps,
+    manifest = {"format": FORMAT, "world": comm.world_size(), "stage": config.stage,
+                "precision": config.precision.dtype, "writers": writers,
+                "micro_step": state.micro_step, "global_steps": state.global_steps,
                 "optimizer": sd, "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
                 "maps": maps, "files": files,
@@ -540,25 +541,31 @@ class _Load:
     lagging: dict[str, list[list[int]]] | None = None  # every writer's, by parameter name
 
 
-def load(engine: "Engine", path: str) -> dict[Any, Any] | None:
-    """Restore `engine` from `path`, which may come from another world size or tier config.
-    Every rank verifies everything before any rank changes anything, and the ranks agree on the
-    outcome of each phase, so a checkpoint one rank refuses is refused by all (none is left
-    waiting in a collective) and leaves every engine as it was; see the module docstring."""
+def prepare_load(rt: Runtime, model: ModelView, config: Config, path: str) -> "_Load":
+    """Read and verify the checkpoint at `path`, which may come from another world size or tier
+    config, for this engine. Every rank verifies everything before any rank changes anything, and
+    the ranks agree on the outcome, so a checkpoint one rank refuses is refused by all (none is
+    left waiting in a collective) and leaves every engine as it was; see the module docstring.
+    Nothing is written: apply_load does that, once the facade has marked the load in progress."""
     plan, refused = None, None
     try:
-        plan = _prepare(engine, path)
+        plan = _prepare(rt, model, config, path)
     except Exception as exc:
         refused = exc if isinstance(exc, CheckpointError) else CheckpointError(f"checkpoint {path}: {exc!r}")
     _agree(refused, "refused the checkpoint")
     assert plan is not None
     _same_checkpoint(plan.root)
-    engine.load_failed = "a load is in progress"  # cleared below: a failure from here on leaves a mixture
-    _agree(_attempt(_apply, engine, plan), "failed part way through loading the checkpoint")
-    engine.runtime.refresh_params()
-    engine.load_failed = None
-    comm.barrier()
-    return plan.client_state
+    return plan
+
+
+def apply_load(rt: Runtime, model: ModelView, config: Config, plan: "_Load") -> TrainingState:
+    """Write the verified checkpoint into the runtime and the module (the ranks agree on the
+    outcome) and rebuild the compute copy; returns the counters the Engine takes. A failure from
+    here on leaves a mixture: the facade refuses to train until a load succeeds."""
+    _agree(_attempt(_apply, rt, model, plan), "failed part way through loading the checkpoint")
+    rt.refresh_params()
+    steps = plan.manifest["global_steps"]
+    return TrainingState(global_steps=steps, micro_step=steps * config.gradient_accumulation_steps)  # a fresh cycle
 
 
 def _same_checkpoint(root: str) -> None:
@@ -587,8 +594,7 @@ def _agree(error: BaseException | None, what: str) -> None:
             raise CheckpointError(f"rank {r} {what}: {message}")
 
 
-def _prepare(engine: "Engine", path: str) -> _Load:
-    rt = engine.runtime
+def _prepare(rt: Runtime, model: ModelView, config: Config, path: str) -> _Load:
     root = _resolve(path)
     try:
         crc = manifest_checks.saved_crc(root)
@@ -604,7 +610,7 @@ def _prepare(engine: "Engine", path: str) -> _Load:
         manifest_checks.one_step(manifest)
     except manifest_checks.ManifestError as exc:
         raise CheckpointError(f"checkpoint {root}: manifest.json: {exc}") from None
-    _check_frozen_home(engine, root, manifest["stage"])
+    _check_frozen_home(rt, model.module, config.stage, root, manifest["stage"])
     _check_shapes(root, "trainable parameters", rt.param_shapes(), manifest["param_shapes"])
     if "frozen_shapes" in manifest:  # older checkpoints: stage-3 frozen shards stay as initialized
         _check_shapes(root, "frozen parameters", rt.frozen_shapes(), manifest["frozen_shapes"])
@@ -627,7 +633,7 @@ def _prepare(engine: "Engine", path: str) -> _Load:
     own = f"rank{comm.rank()}.buffers.pt"
     if same_world and own in manifest["files"]:  # this rank's own buffers, as it left them
         module_held.update(_own_buffers(reader.get(own), module_held, os.path.join(root, own)))
-    return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(engine, module_held, root),
+    return _Load(root, manifest, reader, shards, frozen, _checked_non_trainable(rt, model.module, module_held, root),
                  _rng(reader, manifest) if same_world else None, same_world, _read_client(root, manifest),
                  _lagging(root, maps))
 
@@ -660,16 +666,17 @@ def _own_buffers(saved: dict[str, torch.Tensor], model_pt: dict[str, torch.Tenso
     return dict(saved)
 
 
-def _check_frozen_home(engine: "Engine", root: str, saved_stage: int) -> None:
+def _check_frozen_home(rt: Runtime, module: nn.Module, stage: int, root: str, saved_stage: int) -> None:
     """Stages 0-2 keep frozen parameters in the module (model.pt), stage 3 shards them inside
-    their units (frozen_map): a checkpoint crosses between the two only without any."""
-    if (saved_stage == 3) == (engine.config.stage == 3):
+    their units (frozen_map): a checkpoint crosses between the two only without any. `stage` is
+    this engine's, for the message; the runtime says where its frozen parameters live."""
+    if (saved_stage == 3) == rt.shards_frozen():
         return
-    frozen = [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
     if frozen:
         raise CheckpointError(f"checkpoint {root} was saved at stage {saved_stage}, which keeps frozen parameters "
                               f"{'sharded in their units' if saved_stage == 3 else 'in model.pt'}; loading it at stage "
-                              f"{engine.config.stage} with frozen parameters ({frozen[:3]}) is not supported: load it "
+                              f"{stage} with frozen parameters ({frozen[:3]}) is not supported: load it "
                               f"at stage {'3' if saved_stage == 3 else '0, 1 or 2'}")
 
 
@@ -692,9 +699,9 @@ def _check_files(root: str, manifest: dict[str, Any], names: set[str]) -> None:
                                   "(truncated or replaced)")
 
 
-def _apply(engine: "Engine", plan: _Load) -> None:
+def _apply(rt: Runtime, model: ModelView, plan: _Load) -> None:
     """Write the checked checkpoint into the engine (no collective: the ranks agree afterwards)."""
-    rt, opt, manifest = engine.runtime, engine.runtime.shard_optimizer, plan.manifest
+    opt, manifest = rt.shard_optimizer, plan.manifest
     for key, pieces in plan.shards.items():
         parts = {part: torch.zeros(opt.numel[key], dtype=torch.float32) for part in PARTS}
         _fill(parts, pieces, plan.reader)
@@ -711,12 +718,10 @@ def _apply(engine: "Engine", plan: _Load) -> None:
                      scaler=manifest["precision"] == "fp16" and opt.scaler.dynamic,
                      lagging=plan.lagging, pieces=rt.shard_map())
     rt.accumulator.reset()  # saved at a boundary: this engine's partial sums are not the checkpoint's
-    engine.global_steps = manifest["global_steps"]
-    engine.micro_step = engine.global_steps * engine.config.gradient_accumulation_steps  # a fresh cycle
     if plan.rng is not None:
         torch.set_rng_state(plan.rng["cpu"])
         if "cuda" in plan.rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(plan.rng["cuda"], engine.device)
+            torch.cuda.set_rng_state(plan.rng["cuda"], model.device)
 
 
 def _lagging(root: str, maps: dict[int, dict[str, Any]]) -> dict[str, list[list[int]]]:
@@ -774,12 +779,12 @@ def _fill(outs: dict[str, torch.Tensor], copies: list[tuple[str, int, int, int]]
             out[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
 
 
-def _checked_non_trainable(engine: "Engine", saved: dict[str, torch.Tensor],
+def _checked_non_trainable(rt: Runtime, module: nn.Module, saved: dict[str, torch.Tensor],
                            root: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(module tensor, saved value) for every buffer and module-held frozen parameter, after
     checking that model.pt holds exactly these names with the same shapes, and the same dtype
     (a floating-point one may come from another float precision)."""
-    current = _non_trainable(engine)
+    current = _non_trainable(rt, module)
     if set(saved) != set(current):
         diff = sorted(set(saved) ^ set(current))[:3]
         raise CheckpointError(f"checkpoint {root}: model.pt's buffers and frozen parameters differ from the model's: {diff}")
@@ -804,38 +809,3 @@ def _rng(reader: _Reader, manifest: dict[str, Any]) -> dict[str, torch.Tensor] |
     if not os.path.exists(full):
         return None
     return _load_tensors(full)
-
-
-def _trainable_names(engine: "Engine") -> set[str]:
-    return {n for n, p in engine.module.named_parameters() if p.requires_grad}
-
-
-def consolidated_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
-    """Full fp32 weights on rank 0 (buffers in their original dtype); {} on other ranks."""
-    rt, opt = engine.runtime, engine.runtime.shard_optimizer
-    if engine.config.stage == 3:
-        full = rt.consolidated_state_dict()  # a collective: every rank gathers
-        if comm.rank() != 0:
-            return {}
-        trainable = _trainable_names(engine)
-        return {k: v if k in trainable else v.to(engine.orig_dtypes.get(k, v.dtype)) for k, v in full.items()}
-    shapes = rt.param_shapes()
-    full = {name: torch.zeros(torch.Size(shape).numel(), dtype=torch.float32) for name, shape in shapes.items()}
-    if comm.rank() == 0 or not rt.replicated:
-        for key, pieces in rt.shard_map().items():
-            master = opt.master(key)
-            for name, poff, soff, n in pieces:
-                full[name][poff:poff + n].copy_(master[soff:soff + n])
-    if not rt.replicated:
-        for t in full.values():
-            comm.all_reduce_(t)
-    if comm.rank() != 0:
-        return {}
-    by_id = {id(p): n for n, p in engine.module.named_parameters() if p.requires_grad}
-    out = {}
-    for k, v in engine.module.state_dict(keep_vars=True).items():
-        if id(v) in by_id:
-            out[k] = full[by_id[id(v)]].view(v.shape).clone()
-        else:
-            out[k] = v.detach().to("cpu", engine.orig_dtypes[k]).clone()
-    return out

@@ -8,7 +8,7 @@ values are handed on and it is dropped before the next is read. Tensors the modu
 anyway (buffers, stage 0-2 frozen parameters) come last. Only the flat buffers holding a wanted
 key are read (the adapters of a frozen base: the base is never touched).
 
-The values are what consolidated_state_dict gives, in the model's own dtypes (Engine.orig_dtypes):
+The values are what consolidated_state_dict gives, in the model's own dtypes (ModelView.orig_dtypes):
 trainable parameters from the fp32 master shard, frozen ones from the compute copy, buffers as
 they are.
 
@@ -33,17 +33,13 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from zero_offload import comm
-from zero_offload.partition import FlatLayout
-
-if TYPE_CHECKING:
-    from zero_offload.engine.engine import Engine
+from zero_offload.engine.runtime import FlatSource, ModelView, Runtime
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -71,32 +67,12 @@ class Spec:
         return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
 
 
-@dataclass(frozen=True)
-class _Group:
-    """A flat buffer whose parameters' values are gathered at once; `read` gives this rank's shard."""
-
-    layout: FlatLayout
-    params: list[nn.Parameter]
-    dtype: torch.dtype
-    read: Callable[[], torch.Tensor]
-
-
-def _groups(engine: "Engine") -> list[_Group]:
-    """The engine's flat buffers in a fixed order (the same on every rank)."""
-    rt, so = engine.runtime, engine.runtime.shard_optimizer
-    if engine.config.stage == 3:
-        return [_Group(g.layout, g.params, torch.float32 if g.trainable else engine.dtype,
-                       partial(so.master, g.key) if g.trainable else partial(u.read_shard, g.key))
-                for u in rt.units for g in u.groups]
-    return [_Group(b.layout, b.params, torch.float32, partial(so.master, b.key)) for b in rt.buckets]
-
-
-def tensor_specs(engine: "Engine") -> dict[str, Spec]:
+def tensor_specs(rt: Runtime, model: ModelView) -> dict[str, Spec]:
     """Each state-dict tensor's shape and saved dtype, in state-dict order, without reading any
     value (at stage 3 the parameters are empty between passes: shapes come from the layouts)."""
-    shapes = {id(p): s for g in _groups(engine) for p, s in zip(g.params, g.layout.shapes)}
-    return {k: Spec(torch.Size(shapes.get(id(v), v.shape)), engine.orig_dtypes.get(k, v.dtype))
-            for k, v in engine.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    shapes = {id(p): s for g in rt.flat_sources() for p, s in zip(g.params, g.layout.shapes)}
+    return {k: Spec(torch.Size(shapes.get(id(v), v.shape)), model.orig_dtypes.get(k, v.dtype))
+            for k, v in model.module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
 
 
 # ---- the stream ------------------------------------------------------------------------------
@@ -106,13 +82,13 @@ class _Plan:
     """What to gather, in order: flat buffers with the wanted keys of their parameters (index in
     the buffer, key), then the keys of tensors the module holds whole."""
 
-    groups: list[tuple[_Group, list[tuple[int, str]]]]
+    groups: list[tuple[FlatSource, list[tuple[int, str]]]]
     module_keys: list[str]
     order: list[str]  # every key, in the order the stream yields them
 
 
-def _plan(engine: "Engine", keys: Sequence[str]) -> _Plan:
-    state = engine.module.state_dict(keep_vars=True)
+def _plan(rt: Runtime, model: ModelView, keys: Sequence[str]) -> _Plan:
+    state = model.module.state_dict(keep_vars=True)
     unknown = [k for k in keys if not isinstance(state.get(k), torch.Tensor)]
     if unknown:
         raise KeyError(f"not tensors of the model's state_dict: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
@@ -120,7 +96,7 @@ def _plan(engine: "Engine", keys: Sequence[str]) -> _Plan:
     for k in keys:
         wanted.setdefault(id(state[k]), []).append(k)
     groups, streamed = [], set()
-    for g in _groups(engine):
+    for g in rt.flat_sources():
         items = [(i, k) for i, p in enumerate(g.params) for k in wanted.get(id(p), ())]
         if items:
             groups.append((g, items))
@@ -129,7 +105,7 @@ def _plan(engine: "Engine", keys: Sequence[str]) -> _Plan:
     return _Plan(groups, rest, [k for _, items in groups for _, k in items] + rest)
 
 
-def _gathered(engine: "Engine", g: _Group, failures: list[BaseException]) -> torch.Tensor:
+def _gathered(device: torch.device, g: FlatSource, failures: list[BaseException]) -> torch.Tensor:
     """The whole flat buffer on the CPU. A failed read at D > 1 is noted and zeros are sent in its
     place, so the other ranks are not left waiting in the all-gather."""
     try:
@@ -141,20 +117,20 @@ def _gathered(engine: "Engine", g: _Group, failures: list[BaseException]) -> tor
         shard = torch.zeros(g.layout.shard_numel, dtype=g.dtype)
     if g.layout.world == 1:  # D = 1, or a stage-0 replica: this rank holds it all
         return shard
-    full = torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=engine.device)
-    comm.all_gather_(full, shard.to(engine.device))  # on the device: NCCL needs it there
+    full = torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=device)
+    comm.all_gather_(full, shard.to(device))  # on the device: NCCL needs it there
     return full.cpu()
 
 
-def _values(engine: "Engine", plan: _Plan, failures: list[BaseException]) -> Iterator[tuple[str, torch.Tensor]]:
+def _values(model: ModelView, plan: _Plan, failures: list[BaseException]) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, CPU value in the model's dtype), in plan.order; one flat buffer alive at a time."""
-    dtypes = engine.orig_dtypes
+    dtypes = model.orig_dtypes
     for g, items in plan.groups:
-        views = g.layout.views(_gathered(engine, g, failures))
+        views = g.layout.views(_gathered(model.device, g, failures))
         for i, key in items:
             yield key, views[i].to(dtypes.get(key, views[i].dtype))
         del views
-    state = engine.module.state_dict(keep_vars=True)
+    state = model.module.state_dict(keep_vars=True)
     for key in plan.module_keys:
         value = state[key]
         yield key, value.detach().to("cpu", dtypes.get(key, value.dtype))
@@ -187,7 +163,7 @@ def _attempt(fn: Callable[..., None], *args: Any) -> BaseException | None:
     return None
 
 
-def _run(engine: "Engine", plan: _Plan, take: Callable[[str, torch.Tensor], None],
+def _run(model: ModelView, plan: _Plan, take: Callable[[str, torch.Tensor], None],
          begin: Callable[[], None] | None = None, end: Callable[[], None] | None = None) -> None:
     """Stream the plan's keys into `take` on every rank, between `begin` and `end`. Failures are
     agreed after `begin` (a writer that cannot start stops every rank before any gather) and at
@@ -197,7 +173,7 @@ def _run(engine: "Engine", plan: _Plan, take: Callable[[str, torch.Tensor], None
     error = _attempt(begin) if begin is not None else None
     _raise_agreed(error)
     failures: list[BaseException] = []  # reads that failed (zeros were sent in their place)
-    for key, value in _values(engine, plan, failures):
+    for key, value in _values(model, plan, failures):
         if error is None:
             error = _attempt(take, key, value)
         del value  # a view: held into the next read, it would keep its whole flat buffer alive
@@ -206,7 +182,7 @@ def _run(engine: "Engine", plan: _Plan, take: Callable[[str, torch.Tensor], None
     _raise_agreed(error if error is not None else (failures[0] if failures else None))
 
 
-def state_dict(engine: "Engine", keys: Sequence[str]) -> dict[str, torch.Tensor]:
+def state_dict(rt: Runtime, model: ModelView, keys: Sequence[str]) -> dict[str, torch.Tensor]:
     """The values of `keys` on every rank (a collective), each its own tensor: a view would keep
     its whole flat buffer alive."""
     out: dict[str, torch.Tensor] = {}
@@ -214,7 +190,7 @@ def state_dict(engine: "Engine", keys: Sequence[str]) -> dict[str, torch.Tensor]
     def take(key: str, value: torch.Tensor) -> None:
         out[key] = value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
 
-    _run(engine, _plan(engine, list(dict.fromkeys(keys))), take)
+    _run(model, _plan(rt, model, list(dict.fromkeys(keys))), take)
     return out
 
 
@@ -326,16 +302,16 @@ class SafetensorsWriter:
         self._close_file()
 
 
-def save_safetensors(engine: "Engine", directory: str, keys: Sequence[str] | None = None, *,
+def save_safetensors(rt: Runtime, model: ModelView, directory: str, keys: Sequence[str] | None = None, *,
                      max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, write: bool | None = None,
                      index_metadata: dict[str, Any] | None = None) -> dict[str, str]:
     """Write `keys` (default: every state-dict tensor) to `directory` in Hugging Face's layout;
     returns the weight map (key -> file) on every rank. `write` defaults to rank 0."""
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
-    specs = tensor_specs(engine)
+    specs = tensor_specs(rt, model)
     keys = list(dict.fromkeys(specs if keys is None else keys))
-    plan = _plan(engine, keys)
+    plan = _plan(rt, model, keys)
     entries = [(k, specs[k]) for k in plan.order]
     parts = split_files(entries, max_shard_size)
     files = [(name, [(k, specs[k]) for k in part]) for name, part in zip(file_names(len(parts)), parts)]
@@ -346,22 +322,22 @@ def save_safetensors(engine: "Engine", directory: str, keys: Sequence[str] | Non
     def end() -> None:
         writer.finish()
         if len(files) > 1:
-            _write_index(directory, entries, weight_map, engine, index_metadata)
+            _write_index(directory, entries, weight_map, model.module, index_metadata)
 
     try:
         if write:
-            _run(engine, plan, writer.take, writer.begin, end)
+            _run(model, plan, writer.take, writer.begin, end)
         else:
-            _run(engine, plan, lambda key, value: None)
+            _run(model, plan, lambda key, value: None)
     finally:
         writer.abandon()
     return weight_map
 
 
-def _write_index(directory: str, entries: list[tuple[str, Spec]], weight_map: dict[str, str], engine: "Engine",
+def _write_index(directory: str, entries: list[tuple[str, Spec]], weight_map: dict[str, str], module: nn.Module,
                  extra: dict[str, Any] | None) -> None:
     """model.safetensors.index.json as transformers writes it (sorted keys, two-space indent)."""
-    params = {n for n, _ in engine.module.named_parameters()}
+    params = {n for n, _ in module.named_parameters()}
     metadata = {"total_size": sum(s.nbytes for _, s in entries),
                 "total_parameters": sum(s.shape.numel() for k, s in entries if k in params), **(extra or {})}
     with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as f:

@@ -275,6 +275,13 @@ class ShardOptimizer:
             raise self.take_interrupt()  # type: ignore[misc]
         return applied
 
+    @property
+    def failed_hand_over(self) -> str | None:
+        """The first shard of the last finish_step or abandon_step whose hand-over failed or was
+        interrupted (its master moved on, its step count or compute copy may not have); None if
+        none did. Read after a step that raised, where no return value comes back."""
+        return self.pipeline.failed_hand_over
+
     def take_interrupt(self) -> BaseException | None:
         """The Ctrl-C that finish_step(defer_interrupt=True) held back, once (None if none came)."""
         exc, self._interrupt = self._interrupt, None

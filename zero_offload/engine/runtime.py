@@ -1,0 +1,201 @@
+"""The seam between the facade and the runtimes: the `Runtime` protocol and the records that cross it.
+
+Everything that differs between ZeRO stages sits behind a runtime (`BucketRuntime` in
+engine/buckets/runtime.py for stages 0-2, `Stage3Runtime` in engine/stage3/runtime.py for stage 3).
+The facade (engine.py, memory.py) and the state code (state/checkpoint.py, state/export.py) see a
+runtime only through `Runtime`, and the Engine's own state only through `TrainingState` and
+`ModelView`, so none of them imports the Engine or a runtime class, and none asks which stage runs.
+The memory report's shared row helpers live here too: each runtime names its bytes in them, and
+memory.py assembles the report above both.
+
+A seam module: it imports only torch, the standard library, what lies below the engine and
+engine/step, and the runtimes and the modules above them import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from zero_offload.engine.step.accumulate import Accumulator
+from zero_offload.engine.step.shard_optimizer import ShardOptimizer
+
+if TYPE_CHECKING:
+    from zero_offload.partition import FlatLayout
+
+Pieces = dict[str, list[tuple[str, int, int, int]]]  # shard key -> (param name, param offset, shard offset, numel)
+
+FROZEN_ROW = "frozen parameters (not in the ledger)"  # whole at stages 0-2, this rank's shards at stage 3
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """The Engine's step counters, as a checkpoint saves them and a load gives them back."""
+
+    global_steps: int
+    micro_step: int
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What the state code reads of the Engine beside its runtime: the model, its compute device
+    and the dtypes the model's state_dict had before the engine cast it."""
+
+    module: nn.Module
+    device: torch.device
+    orig_dtypes: Mapping[str, torch.dtype]
+
+
+@dataclass(frozen=True)
+class FlatSource:
+    """A flat buffer whose parameters' values are read at once (a stage 0-2 bucket, a stage-3
+    unit's trainable or frozen group); `read` gives this rank's shard in `dtype`."""
+
+    layout: "FlatLayout"
+    params: list[nn.Parameter]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Standing:
+    """How the optimizer shards stand after a step or a backward failed: what the facade needs
+    to decide whether the engine stops, read once from the runtime."""
+
+    failed_hand_over: str | None  # the first shard whose hand-over failed or was interrupted
+    steps_apart: str | None  # after a failed step: how its shards stand apart (agreed by every rank)
+    mixed_steps: str | None  # this rank's shards at more than one step (ShardOptimizer.mixed_steps)
+    counts: tuple[list[tuple[str, int]], list[tuple[str, int]]]  # sorted shard and sub-shard step counts
+
+
+def standing_of(so: ShardOptimizer) -> Standing:
+    """The Standing of a runtime's shard optimizer (both runtimes report it alike)."""
+    return Standing(so.failed_hand_over, so.steps_apart, so.mixed_steps(),
+                    (sorted(so.steps.items()), sorted(so.sub_steps.items())))
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What the facade, the memory report and the state code call on a runtime."""
+
+    replicated: bool  # stage 0: every rank holds (and steps) every shard
+    shard_optimizer: ShardOptimizer
+    accumulator: Accumulator
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """param_groups for schedulers."""
+
+    # ---- the training call order (engine.py) ----
+    def refuse_compiled(self, module: nn.Module) -> None:
+        """Refuse a forward under torch.compile where the runtime cannot run one."""
+
+    def begin_forward(self, boundary: bool) -> None:
+        """A forward with grad enabled starts (`boundary`: its backward ends a cycle)."""
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Checks before anything is reduced (parameters replaced, frozen or edited)."""
+
+    def end_backward(self) -> None:
+        """Reduce what got no gradient; the grad shards are with the step."""
+
+    def backward_touched(self) -> bool:
+        """After a failed backward: whether anything had been reduced."""
+
+    def abort_backward(self) -> None:
+        """After a failed backward: nothing more is reduced; handed shards are finished."""
+
+    def step(self) -> bool:
+        """Finish the optimizer step and bring the compute copy up to date; False if skipped."""
+
+    def standing(self) -> Standing:
+        """How the shards stand (after a failed step or backward)."""
+
+    def gathers_updates(self) -> bool:
+        """Whether updated shards reach the compute copy only by all-gathers at the end of a
+        whole step (stages 1-2 with D > 1), which an interrupted step skips."""
+
+    def gathered(self, params: list[nn.Parameter], modify: bool) -> ContextManager[None]:
+        """The body of engine.gathered: `params` whole for the block; with `modify`, rank 0's
+        values become every rank's (and the optimizer's master)."""
+
+    # ---- checkpoints and exports (state/) ----
+    def shard_map(self) -> Pieces:
+        """This rank's shards: which element ranges of which parameters each holds."""
+
+    def frozen_map(self) -> Pieces:
+        """The same for frozen groups kept in the runtime's shards (stage 3; {} otherwise)."""
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Trainable parameters' shapes by name."""
+
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the frozen parameters in frozen_map."""
+
+    def read_frozen(self, key: str) -> torch.Tensor:
+        """This rank's shard of a frozen group of frozen_map."""
+
+    def write_frozen(self, key: str, values: torch.Tensor) -> None:
+        """Replace this rank's shard of a frozen group of frozen_map (a checkpoint load)."""
+
+    def refresh_params(self) -> None:
+        """Rebuild the compute copy from the master shards (after a load)."""
+
+    def shards_frozen(self) -> bool:
+        """Whether frozen parameters live in the runtime's shards (stage 3), not in the module."""
+
+    def held_params(self) -> set[int]:
+        """ids of the module's parameters whose values live in the runtime's shards, not the
+        module (empty tensors between passes at stage 3); none at stages 0-2."""
+
+    def flat_sources(self) -> list[FlatSource]:
+        """Every flat buffer in a fixed order (the same on every rank), for streamed exports."""
+
+    def consolidated(self, orig_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """The model's state_dict on rank 0 (fp32 trainable values, the rest in the model's own
+        dtypes), {} elsewhere; a collective."""
+
+    # ---- the memory report (memory.py) ----
+    def trainable_numel(self) -> int:
+        """P, the number of trainable elements (the ledger's)."""
+
+    def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(bytes held now, high-water mark) by (state group, tier)."""
+
+    def extras(self) -> dict[str, float]:
+        """Bytes outside the ledger's groups, by the name of their row."""
+
+    def limits(self) -> dict[str, int]:
+        """Configured bounds shown apart in the report."""
+
+    def close(self) -> None:
+        """Stop the runtime's threads and remove its files."""
+
+
+# ---- the memory report's rows the runtimes fill (memory.py assembles the report) ----
+
+def padding(held: dict[str, int], layouts: dict[str, "FlatLayout"]) -> float:
+    """Bytes of padding in held tensors (key -> bytes), each a shard or the whole flat buffer of
+    its key's layout: either way padded in the proportion padded_numel : numel. Against the
+    ledger's even split of P, a shard's padding is its share of the layout's (the last rank's
+    shard holding all of it changes no rank's size)."""
+    return sum(n * (layouts[k].padded_numel - layouts[k].numel) / layouts[k].padded_numel
+               for k, n in held.items() if k in layouts)
+
+
+def grads_slot_rounding(stores_bytes: int, held_bytes: int, addressable: bool) -> int:
+    """Bytes the grads tier's stores hold beyond the gradients in them: NVMe slots are whole
+    pages (a resident tier holds exactly the tensors)."""
+    return 0 if addressable else stores_bytes - held_bytes
+
+
+def grads_by_tier(stores: list[Any]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(held, peak) of the gradient stores under each one's own tier: with CUDA, a host
+    optimizer keeps the grad shards it waits for in host memory whatever tiers.grads says."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for s in stores:
+        held, peak = out.get(("gradients", s.tier), (0, 0))
+        out[("gradients", s.tier)] = (held + s.bytes_retained(), peak + s.peak_bytes())
+    return out
