@@ -96,7 +96,7 @@ _RING_MOVES: dict[RingState, tuple[RingState, ...]] = {
     RingState.PLACING: (RingState.READY,),
     RingState.READ_FAILED: (RingState.PLACING,),
     RingState.STEP_FAILED: (RingState.PLACING, RingState.READ_FAILED),
-    RingState.FLUSHING: (RingState.READY, RingState.FLUSHING, *_FAILED),  # a flush inside a flush (an interrupt's)
+    RingState.FLUSHING: (RingState.READY, RingState.FLUSHING, *_FAILED),  # FLUSHING: a flush while another settles
     RingState.READY: (RingState.PLACING, RingState.FLUSHING),
     RingState.DEAD: _ANY,
     RingState.CLOSED: _ANY,
@@ -105,7 +105,7 @@ _RING_MOVES: dict[RingState, tuple[RingState, ...]] = {
 
 @dataclass(eq=False)
 class Region:
-    """One shard's (master, m, v) in the ring: offsets, state and the transfers in flight."""
+    """One shard's state parts (AdamW's master, m, v) in the ring: offsets, state and the transfers in flight."""
 
     key: str
     start: int
@@ -190,7 +190,7 @@ class StagingRing:
         self._state = RingState.READY
         self._error: BaseException | None = None  # READ_FAILED / STEP_FAILED: the failure; flush() clears it
         self._why_dead = ""  # DEAD: why the prefetch thread stopped
-        self._flush_depth = 0  # FLUSHING: flushes in progress (one inside another: an interrupt's)
+        self._flush_depth = 0  # FLUSHING: flushes in progress (the last one out makes the ring READY)
         self._stale: dict[str, str] = {}  # key -> why the drive's copy is older (until rewritten)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="zero-offload-prefetch", daemon=True)
