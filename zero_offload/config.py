@@ -24,6 +24,8 @@ from typing import Any, Callable, Mapping
 
 from zero_offload.tiers import TIERS, tier
 
+from zero_offload.optim.adamw import CONFIG_BOUNDS, AdamWHyperparams
+from zero_offload.optim.spec import Bound
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam")
 IO_BACKENDS = ("auto", "native", "aiofiles")  # "auto": native when the library loaded, else aiofiles
@@ -69,9 +71,9 @@ def int_range(low: int, high: int) -> str:
 
 
 def float_range(low: float, high: float | None, *, open_low: bool = False, open_high: bool = False) -> str:
-    """The one wording of a number range: brackets say whether each end is allowed."""
-    top = "inf)" if high is None else f"{float(high)}{')' if open_high else ']'}"
-    return f"expected a finite number in {'(' if open_low else '['}{float(low)}, {top}"
+    """The one wording of a number range: brackets say whether each end is allowed (optim/spec.py's
+    Bound words it, so an optimizer's kernels refuse a hyperparameter in the same words)."""
+    return Bound(low, high, open_low=open_low, open_high=open_high).wording()
 
 
 @dataclass(frozen=True)
@@ -222,15 +224,20 @@ class OptimizerConfig(_Fields):
 
     def __post_init__(self) -> None:
         _check_choice("optimizer.name", self.name, OPTIMIZERS)
-        _check_float("optimizer.lr", self.lr, 0.0)
-        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
-            _fail("optimizer.betas", self.betas, "expected two numbers [beta1, beta2]")
-        for i, b in enumerate(self.betas):
-            _check_float(f"optimizer.betas[{i}]", b, 0.0, 1.0, open_high=True)
+        AdamWHyperparams(self.lr, self.betas, self.eps, self.weight_decay).check(
+            _fail_optimizer, bounds=CONFIG_BOUNDS, number=_config_number)
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        _check_float("optimizer.eps", self.eps, 0.0, open_low=True)
-        _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
         _check_int("optimizer.threads", self.threads, 0, MAX_THREADS)
+
+
+def _fail_optimizer(name: str, value: Any, allowed: str) -> None:
+    _fail(f"optimizer.{name}", value, allowed)
+
+
+def _config_number(name: str, value: Any) -> float:
+    """A config's number is an int or a float as written (never a bool or a string)."""
+    _check_type(f"optimizer.{name}", value, (int, float))
+    return value
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Conventions (bytes per parameter):
 - Mixed precision (bf16/fp16), the ZeRO paper's convention: weights 2 (the compute copy, in the
   compute dtype), gradients 2 (compute dtype), optimizer 12 (fp32 master weight + fp32 m + fp32 v).
-  Total 16.
+  Total 16. The optimizer's bytes are its spec's (optim/spec.py; AdamW's in optim/adamw.py): every
+  figure below is AdamW's, and another optimizer's follow from its state parts.
 - fp32 training: weights 4 (the compute copy), gradients 4, optimizer 12 (fp32 master + m + v).
   Total 20. The master is counted apart from the compute copy because that is what an offloading
   engine holds: the compute copy lives with the model (device), the master shard with the
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
 
+from zero_offload.optim.adamw import ADAMW
+from zero_offload.optim.spec import OptimizerSpec
 from zero_offload.tiers import DEVICE, REGISTRY, TIERS
 
 GROUPS = ("weights", "gradients", "optimizer")
@@ -37,12 +40,13 @@ EXCLUDED = ("activations", "gathered (unsharded) units at stage 3", "communicati
             "staging buffers", "padding to a multiple of D", "allocator overhead")
 
 
-def bytes_per_param(precision: str) -> dict[str, int]:
-    """Bytes per parameter of each state group under `precision` (see the module docstring)."""
+def bytes_per_param(precision: str, spec: OptimizerSpec = ADAMW) -> dict[str, int]:
+    """Bytes per parameter of each state group under `precision` (see the module docstring); the
+    optimizer's are its spec's state bytes per element."""
     if precision == "fp32":
-        return {"weights": 4, "gradients": 4, "optimizer": 12}
+        return {"weights": 4, "gradients": 4, "optimizer": spec.bytes_per_element}
     if precision in ("bf16", "fp16"):
-        return {"weights": 2, "gradients": 2, "optimizer": 12}
+        return {"weights": 2, "gradients": 2, "optimizer": spec.bytes_per_element}
     raise ValueError(f"precision {precision!r} is not one of fp32, bf16, fp16")
 
 
@@ -130,11 +134,12 @@ def _check_tiers(tiers: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapping[str, str] | None = None,
-          ranks_per_node: int | None = None) -> Ledger:
+          ranks_per_node: int | None = None, spec: OptimizerSpec = ADAMW) -> Ledger:
     """The ideal retained bytes per rank for P=`params`, D=`dp` at ZeRO `stage`.
 
     `tiers` maps 'params'/'grads'/'optimizer' to 'device'/'cpu'/'nvme' (default: all on device).
-    `ranks_per_node` defaults to D (one machine) and may not exceed it.
+    `ranks_per_node` defaults to D (one machine) and may not exceed it. `spec`: the optimizer
+    whose state is counted (AdamW's master, m and v by default).
     """
     _check_int("params", params, 0)
     _check_int("dp", dp, 1)
@@ -143,7 +148,7 @@ def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapp
     if ranks_per_node is not None:
         _check_ranks_per_node(ranks_per_node, dp)
     tiers = _check_tiers(tiers)
-    per_param = bytes_per_param(precision)
+    per_param = bytes_per_param(precision, spec)
     per_rank: dict[str, dict[str, Fraction]] = {}
     for group in GROUPS:
         share = Fraction(params, dp) if partitioned(group, stage) else Fraction(params)
@@ -152,7 +157,11 @@ def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapp
     return Ledger(params, dp, stage, precision, tiers, dp if ranks_per_node is None else ranks_per_node, per_rank)
 
 
-def formula(params: int, dp: int, stage: int) -> Fraction:
-    """The seed's closed forms (mixed precision): 16P, 4P + 12P/D, 2P + 14P/D, 16P/D."""
+def formula(params: int, dp: int, stage: int, spec: OptimizerSpec = ADAMW) -> Fraction:
+    """The seed's closed forms (mixed precision, weights W = 2 and gradients G = 2 bytes, the
+    optimizer's O bytes per parameter): (W+G+O)P, (W+G)P + OP/D, WP + (G+O)P/D, (W+G+O)P/D --
+    for AdamW (O = 12) 16P, 4P + 12P/D, 2P + 14P/D, 16P/D."""
+    b = bytes_per_param("bf16", spec)
+    w, g, o = b["weights"], b["gradients"], b["optimizer"]
     p, d = Fraction(params), Fraction(dp)
-    return [16 * p, 4 * p + 12 * p / d, 2 * p + 14 * p / d, 16 * p / d][stage]
+    return [(w + g + o) * p, (w + g) * p + o * p / d, w * p + (g + o) * p / d, (w + g + o) * p / d][stage]

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from zero_offload.config import MAX_THREADS
+from zero_offload.optim.adamw import ADAMW
 from zero_offload.tiers import tier
 
 
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mib", type=float, default=4.0, help="gradient bucket size in MiB (default 4)")
     parser.add_argument("--staging-mib", type=float, default=128.0,
                         help="pinned staging budget (pinned_budget_bytes) in MiB; keep it well below the "
-                             "optimizer state (12 B/param) so every step really reads and writes the drive")
+                             f"optimizer state ({ADAMW.bytes_per_element} B/param) so every step really reads and writes the drive")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for fwd+bwd and CPU Adam threads each (default 1)")
     parser.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
@@ -281,6 +282,7 @@ def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[flo
         engine, step = _engine_step(args, x, nvme, overlap=True, log=logs["step"])
         serial_engine, serial = _engine_step(args, x, os.path.join(nvme, "serial"), overlap=False)
         sizes = _shard_sizes(engine)
+        state_bytes = engine.runtime.shard_optimizer.spec.state_bytes(sum(sizes))  # type: ignore[attr-defined]
         unused = [0]
         fwd_bwd, adam = _fwd_bwd(args, x, logs["fwd+bwd"]), _adam_only(sizes, args.threads)
         # Each part right after an untimed run of itself, as a loop runs it (the nvme part reads
@@ -299,7 +301,7 @@ def _measure(args: argparse.Namespace, io_name: str) -> tuple[dict[str, list[flo
         per_step = [(a - b) / max(step.calls, 1) for a, b in zip(after, before)]  # type: ignore[attr-defined]
         engine.close()
         serial_engine.close()
-    return times, per_step, 12 * sum(sizes), ring_bytes, steal, {k: v.medians() for k, v in logs.items()}
+    return times, per_step, state_bytes, ring_bytes, steal, {k: v.medians() for k, v in logs.items()}
 
 
 def _summarize(args: argparse.Namespace, io_name: str, times: dict[str, list[float]],

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
 from zero_offload import native
+from zero_offload.optim.adamw import GRAD_SCALE, AdamWHyperparams
+from zero_offload.optim.spec import check_number
 
 ISA_NAMES = ("scalar", "avx2", "avx512")  # index = zo_adam_isa
 ISA_NEEDS = {
@@ -64,16 +65,13 @@ class AdamHyper(ctypes.Structure):
 
 
 def check_hyper(owner: str, *, lr: Any, betas: Any, eps: Any, weight_decay: Any, grad_scale: Any = 1.0) -> None:
-    """One-line errors for hyperparameters no Adam accepts (NaN and infinity included: a NaN
-    fails every comparison, an infinite lr or decay turns every weight into NaN)."""
-    for name, value, low, high in (("lr", lr, 0.0, math.inf), ("eps", eps, 0.0, math.inf),
-                                   ("weight_decay", weight_decay, 0.0, math.inf),
-                                   ("betas[0]", betas[0], 0.0, 1.0), ("betas[1]", betas[1], 0.0, 1.0)):
-        if not (math.isfinite(float(value)) and low <= float(value) < high):
-            where = "[0, 1)" if high == 1.0 else ">= 0 and finite"
-            raise ValueError(f"{owner}: invalid {name} {value!r} (must be {where})")
-    if not (math.isfinite(float(grad_scale)) and float(grad_scale) > 0.0):
-        raise ValueError(f"{owner}: invalid grad_scale {grad_scale!r} (must be > 0 and finite)")
+    """One-line errors, named after `owner`, for hyperparameters no Adam accepts: the spec's one
+    check (optim/adamw.py, torch's ranges), and the per-call grad_scale."""
+    def fail(name: str, value: Any, allowed: str) -> NoReturn:
+        raise ValueError(f"{owner}: invalid {name} {value!r} ({allowed})")
+
+    AdamWHyperparams(lr, betas, eps, weight_decay).check(fail)
+    check_number("grad_scale", grad_scale, GRAD_SCALE, fail)
 
 
 @functools.cache

@@ -324,7 +324,7 @@ class BucketRuntime:
         copies = not hands_over_master(so.store.addressable, self.dtype)
         held, acc = so.held_grads(), self.accumulator.held()
         grad_bytes = so.grad_store.bytes_retained() + self.accumulator.store.bytes_retained()
-        out = {"padding (optimizer state)": padding({b.key: 12 * b.layout.shard_numel for b in self.buckets}, layouts),
+        out = {"padding (optimizer state)": padding({b.key: so.spec.state_bytes(b.layout.shard_numel) for b in self.buckets}, layouts),
                "padding (gradients held)": padding(held, layouts) + padding(acc, layouts),
                "NVMe slot rounding (gradients)": grads_slot_rounding(grad_bytes, sum(held.values()) + sum(acc.values()),
                                                                      so.grad_store.addressable),

@@ -51,6 +51,7 @@ from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, Standing, grads
 from zero_offload.engine.stage3.unit import FlatGroup, StagingPool, Unit, UnitState
 from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
+from zero_offload.optim.registry import spec_for
 from zero_offload.store import make_store
 from zero_offload.trace import tracer
 
@@ -116,7 +117,7 @@ class Stage3Runtime:
             opt_numel = sum(g.layout.shard_numel for u in self.units for g in u.groups if g.trainable)
             # Updates stream to the params tier as each shard is stepped (under backward), so the
             # updated shards are never all held at once and the step does not wait for their writes.
-            capacity = opt_numel * 12 + len(self.units) * 4 * BLOCK + (1 << 20)
+            capacity = spec_for(config.optimizer.name).state_bytes(opt_numel) + len(self.units) * 4 * BLOCK + (1 << 20)
             self.shard_optimizer = ShardOptimizer(config, self.device, self._on_updated, stream_updates=True,
                                                   capacity_bytes=capacity)
             source, where = materialize.open_source(weights)  # a file, a folder, or a WeightSource
@@ -778,7 +779,7 @@ class Stage3Runtime:
                 "padding (gradients held)": padding(held, layouts) + padding(acc, layouts),
                 "NVMe slot rounding (gradients)": grads_slot_rounding(
                     grad_bytes, sum(held.values()) + sum(acc.values()), so.grad_store.addressable),
-                "padding (optimizer state)": padding({g.key: 12 * g.layout.shard_numel for g in trainable}, layouts),
+                "padding (optimizer state)": padding({g.key: so.spec.state_bytes(g.layout.shard_numel) for g in trainable}, layouts),
                 "NVMe slot rounding (params)": rounding}
 
     def extras(self) -> dict[str, float]:

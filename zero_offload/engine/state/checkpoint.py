@@ -72,7 +72,7 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.runtime import ModelView, Runtime, TrainingState
 from zero_offload.engine.state import manifest_checks
-from zero_offload.engine.step.pipeline import PARTS
+from zero_offload.optim.adamw import PARTS  # the saved parts are AdamW's (its spec's part names)
 from zero_offload.engine.model.weights_files import refused_pickle
 from zero_offload.io import checksum
 

@@ -36,8 +36,9 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.step.subshards import Assembly, SubShard, subshard_limit, split
 from zero_offload.engine.step.precision import LossScaler, clip_coefficient
-from zero_offload.engine.step.pipeline import PARTS, DeviceAdam, HostAdam, Job, Scalars, StateAccess, StepPipeline
+from zero_offload.engine.step.pipeline import Job, Scalars, StateAccess, StepPipeline
 from zero_offload.io.buffers import aligned_tensor
+from zero_offload.optim.registry import spec_for
 from zero_offload.store import make_store
 from zero_offload.store.resident import copy_async
 from zero_offload.tiers import CPU, tier
@@ -117,7 +118,8 @@ class ShardOptimizer:
         cap = capacity_bytes or (1 << 30)
         self.store = make_store(config.tiers.optimizer, "optimizer", config, device=self.device, rank=rank,
                                 capacity_bytes=cap)
-        kernel = DeviceAdam() if tier(config.tiers.optimizer).on_device else HostAdam(config.optimizer.threads)
+        self.spec = spec_for(config.optimizer.name)  # its state parts, their bytes and its kernels
+        kernel = self.spec.kernel(tier(config.tiers.optimizer).on_device)(config.optimizer.threads)
         # The grad shards a deferred step holds: a host kernel has them in host memory already (see
         # _to_kernel), so a device grads tier would upload each again and hand the CPU Adam a
         # device tensor; they stay on the host (the memory report counts them there).
@@ -129,7 +131,7 @@ class ShardOptimizer:
         self.grad_store = make_store(held_tier, "gradients", config, device=self.device, rank=rank,
                                      capacity_bytes=cap if holds else (1 << 20))
         self.kernel_device = self.device if not kernel.host else torch.device("cpu")
-        self.access = StateAccess(self.store, config.pinned_budget_bytes)
+        self.access = StateAccess(self.store, config.pinned_budget_bytes, self.spec)
         # Only a host kernel streams: its callback runs on the worker. A device kernel runs inline
         # in backward's hooks, where waiting on a write would stall the CPU behind the GPU.
         self.stream_updates = stream_updates and on_updated is not None and kernel.host
@@ -168,7 +170,7 @@ class ShardOptimizer:
         if master.dim() != 1:
             raise ValueError(f"ShardOptimizer.add_shard({key!r}): master must be 1-D, got shape {tuple(master.shape)}")
         n = master.numel()
-        subs = split(key, n, None if self.store.addressable else subshard_limit(self.access.budget_bytes))
+        subs = split(key, n, None if self.store.addressable else subshard_limit(self.access.budget_bytes, self.spec))
         self._write_initial(subs, master.detach().reshape(-1))
         # Registered only once every slot is written: a failure (a full drive) leaves no half-added key.
         self.numel[key], self.steps[key], self.subshards[key] = n, 0, subs
@@ -185,10 +187,10 @@ class ShardOptimizer:
         made: list[str] = []
         try:
             for sub in subs:
-                self.store.allocate(sub.key, len(PARTS) * sub.numel, torch.float32)  # master, m, v back to back
+                self.store.allocate(sub.key, self.spec.state_numel(sub.numel), torch.float32)  # its parts back to back
                 made.append(sub.key)
                 # Page-aligned: an nvme tier writes it straight to the drive, not through bounce buffers.
-                state = aligned_tensor(len(PARTS) * sub.numel, torch.float32)
+                state = aligned_tensor(self.spec.state_numel(sub.numel), torch.float32)
                 state[sub.numel:].zero_()
                 state[:sub.numel].copy_(flat[sub.lo:sub.hi])
                 self.store.write(sub.key, state).wait()
@@ -493,19 +495,19 @@ class ShardOptimizer:
         out = torch.empty(self.numel[key], dtype=torch.float32)
         for p in self.subshards[key]:
             self.access.check(p.key)
-            sub = self.store.read(p.key, torch.empty(len(PARTS) * p.numel, dtype=torch.float32)).wait()
-            out[p.lo:p.hi].copy_(sub.view(len(PARTS), -1)[PARTS.index("master")])
+            sub = self.store.read(p.key, torch.empty(self.spec.state_numel(p.numel), dtype=torch.float32)).wait()
+            out[p.lo:p.hi].copy_(sub.view(len(self.spec.parts), -1)[self.spec.part_names.index("master")])
         return out
 
     def read_state(self, key: str) -> dict[str, torch.Tensor]:
         """CPU copies of a shard's parts ('master', 'm', 'v'), read through its store in one go."""
         self.pipeline.quiesce()
-        out = torch.empty(len(PARTS), self.numel[key], dtype=torch.float32)
+        out = torch.empty(len(self.spec.parts), self.numel[key], dtype=torch.float32)
         for p in self.subshards[key]:
             self.access.check(p.key)
-            sub = self.store.read(p.key, torch.empty(len(PARTS) * p.numel, dtype=torch.float32)).wait()
-            out[:, p.lo:p.hi].copy_(sub.view(len(PARTS), -1))
-        return dict(zip(PARTS, out.unbind(0)))
+            sub = self.store.read(p.key, torch.empty(self.spec.state_numel(p.numel), dtype=torch.float32)).wait()
+            out[:, p.lo:p.hi].copy_(sub.view(len(self.spec.parts), -1))
+        return dict(zip(self.spec.part_names, out.unbind(0)))
 
     def write_state(self, key: str, parts: dict[str, torch.Tensor]) -> None:
         """Replace a shard's master, m and v (each 1-D, of the shard's size). An earlier failed
@@ -513,8 +515,8 @@ class ShardOptimizer:
         one (a checkpoint load), and a shard not rewritten stays refused until it is."""
         self.pipeline.quiesce(overwriting=True)
         n = self.numel[key]
-        values = [parts[part].detach().reshape(-1) for part in PARTS]
-        for part, value in zip(PARTS, values):
+        values = [parts[part].detach().reshape(-1) for part in self.spec.part_names]
+        for part, value in zip(self.spec.part_names, values):
             if value.numel() != n:
                 raise ValueError(f"ShardOptimizer.write_state({key!r}): {part} has {value.numel()} elements, "
                                  f"the shard has {n}")
@@ -621,8 +623,9 @@ class ShardOptimizer:
         return {k: self.numel[k] * elem for k in self.grad_store.keys() if k in self.numel}
 
     def slot_rounding_bytes(self) -> int:
-        """Bytes the optimizer tier holds beyond 12 per element: NVMe slots are whole pages."""
-        return self.store.bytes_retained() - 12 * sum(self.numel.values())
+        """Bytes the optimizer tier holds beyond its state (the spec's bytes per element): NVMe
+        slots are whole pages."""
+        return self.store.bytes_retained() - self.spec.state_bytes(sum(self.numel.values()))
 
     def close(self) -> None:
         """Every store is closed (its files removed, its drive path freed) even when the

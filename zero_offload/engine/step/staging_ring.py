@@ -12,12 +12,17 @@ A prefetch thread walks the plan: to place the next shard it evicts the regions 
 the shard it steps, never for another shard's write-back; so the drive stays busy with reads and
 writes while the worker keeps up with backward.
 
-Region states (the ring owns them and changes them under its lock):
-  LOADING   placed by the prefetch thread, reads being submitted
+Region states (the ring owns them and changes them under its lock; a move from a state that
+does not allow it raises StagingStateError, a bug of ours):
+  LOADING   placed by the prefetch thread, reads being submitted        -> PENDING (loaded)
   PENDING   reads submitted, not yet stepped in this plan: never evicted while the plan holds
-  STEPPING  handed out by acquire(): never evicted
+                                                                        -> STEPPING (begin_step), CLEAN (unpin)
+  STEPPING  handed out by acquire(): never evicted                      -> CLEAN (end_step)
   CLEAN     released (its write-back may still be in flight), or read and no longer planned: the
             newest copy of its shard; evictable, and a later acquire of that shard needs no read
+                                                                        -> PENDING (pin), STEPPING (begin_step)
+The ring's own state is one RingState (READY, PLACING, READ_FAILED, STEP_FAILED, FLUSHING, DEAD,
+CLOSED; see there), moved the same way.
 A shard is in at most one region and a region is reused only after its transfers finished, so no
 read ever runs behind a pending write of the same shard.
 
@@ -34,9 +39,11 @@ from dataclasses import dataclass, field
 import torch
 
 from zero_offload.io.buffers import ALIGN_BYTES
+from zero_offload.optim.adamw import ADAMW, PARTS
+from zero_offload.optim.spec import OptimizerSpec
 from zero_offload.store.base import Handle, Store
 
-PARTS = ("master", "m", "v")  # a shard's state, back to back in its store key and its region
+__all__ = ["ALIGN_ELEMENTS", "PARTS", "Region", "RegionState", "RingState", "StagingRing", "StagingStateError", "span"]
 ALIGN_ELEMENTS = ALIGN_BYTES // 4  # fp32 elements: regions start on drive pages, the direct path's alignment
 
 
@@ -44,9 +51,14 @@ def aligned(numel: int) -> int:
     return -(-max(numel, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
-def span(numel: int) -> int:
-    """Ring elements a shard of `numel` takes: its three parts, page-aligned."""
-    return aligned(len(PARTS) * numel)
+def span(numel: int, spec: OptimizerSpec = ADAMW) -> int:
+    """Ring elements a shard of `numel` takes: its state parts (the spec's), page-aligned."""
+    return aligned(spec.state_numel(numel))
+
+
+class StagingStateError(RuntimeError):
+    """A region or the ring was asked to change state from a state that does not allow it: a bug
+    of ours (never the drive's), refused before it can corrupt a shard."""
 
 
 class RegionState(enum.Enum):
@@ -56,13 +68,50 @@ class RegionState(enum.Enum):
     CLEAN = "clean"
 
 
+# Each region transition: the states it may start from, and where it goes.
+_REGION_MOVES: dict[str, tuple[tuple[RegionState, ...], RegionState]] = {
+    "loaded": ((RegionState.LOADING,), RegionState.PENDING),
+    "pin": ((RegionState.CLEAN,), RegionState.PENDING),
+    "unpin": ((RegionState.PENDING,), RegionState.CLEAN),
+    "begin_step": ((RegionState.PENDING, RegionState.CLEAN), RegionState.STEPPING),
+    "end_step": ((RegionState.STEPPING,), RegionState.CLEAN),
+}
+
+
+class RingState(enum.Enum):
+    """What the ring as a whole is doing; the prefetch thread places regions only when READY."""
+
+    READY = "ready"  # placing regions as the plan or a demand asks
+    PLACING = "placing"  # the prefetch thread holds a new region outside the lock (evicting, submitting reads)
+    READ_FAILED = "read failed"  # a read ahead failed: nothing is placed; the next acquire raises it
+    STEP_FAILED = "step failed"  # that error reached the step, or came with a failed write-back: flush raises it
+    FLUSHING = "flushing"  # flush settles the regions it took out: nothing is placed over them meanwhile
+    DEAD = "dead"  # the prefetch thread stopped (a bug): every acquire fails
+    CLOSED = "closed"  # closed: the prefetch thread exits, every acquire fails
+
+
+_ANY = tuple(RingState)
+_FAILED = (RingState.READ_FAILED, RingState.STEP_FAILED)
+# Each ring state: the states it may be entered from.
+_RING_MOVES: dict[RingState, tuple[RingState, ...]] = {
+    RingState.PLACING: (RingState.READY,),
+    RingState.READ_FAILED: (RingState.PLACING,),
+    RingState.STEP_FAILED: (RingState.PLACING, RingState.READ_FAILED),
+    RingState.FLUSHING: (RingState.READY, RingState.FLUSHING, *_FAILED),  # FLUSHING: a flush while another settles
+    RingState.READY: (RingState.PLACING, RingState.FLUSHING),
+    RingState.DEAD: _ANY,
+    RingState.CLOSED: _ANY,
+}
+
+
 @dataclass(eq=False)
 class Region:
-    """One shard's (master, m, v) in the ring: offsets, state and the transfers in flight."""
+    """One shard's state parts (AdamW's master, m, v) in the ring: offsets, state and the transfers in flight."""
 
     key: str
     start: int
     numel: int
+    length: int  # ring elements it takes: span(numel, spec)
     state: RegionState = RegionState.LOADING
     unused: bool = False  # read from the drive and not stepped since
     write_failed: bool = False  # a write-back failed: the drive's copy of the shard is older
@@ -70,7 +119,7 @@ class Region:
     writes: list[Handle] = field(default_factory=list)
 
     def overlaps(self, start: int, size: int) -> bool:
-        return self.start < start + size and start < self.start + span(self.numel)
+        return self.start < start + size and start < self.start + self.length
 
     def settle(self) -> None:
         """Wait for every transfer in flight, then re-raise the first error (a region is only
@@ -91,35 +140,46 @@ class Region:
             raise first
 
     # ---- transitions ----
+    def _move(self, event: str) -> None:
+        """Take transition `event`, or raise StagingStateError if the region's state does not allow it."""
+        sources, target = _REGION_MOVES[event]
+        if self.state not in sources:
+            allowed = " or ".join(s.name for s in sources)
+            raise StagingStateError(f"staging region of shard {self.key!r}: {event} needs state {allowed}, "
+                                    f"it is {self.state.name}")
+        self.state = target
+
     def loaded(self, reads: list[Handle]) -> None:
-        assert self.state is RegionState.LOADING, self.state
-        self.state, self.reads, self.unused = RegionState.PENDING, reads, True
+        """LOADING -> PENDING: its reads are submitted."""
+        self._move("loaded")
+        self.reads, self.unused = reads, True
 
     def pin(self) -> None:
         """CLEAN -> PENDING: a region left from an earlier step is planned again."""
-        assert self.state is RegionState.CLEAN, self.state
-        self.state = RegionState.PENDING
+        self._move("pin")
 
     def unpin(self) -> None:
         """PENDING -> CLEAN: the plan changed and no longer counts on this region."""
-        assert self.state is RegionState.PENDING, self.state
-        self.state = RegionState.CLEAN
+        self._move("unpin")
 
     def begin_step(self) -> None:
-        assert self.state in (RegionState.PENDING, RegionState.CLEAN), self.state
-        self.state, self.unused = RegionState.STEPPING, False
+        """PENDING or CLEAN -> STEPPING: acquire() hands it to the step."""
+        self._move("begin_step")
+        self.unused = False
 
     def end_step(self, writes: list[Handle]) -> None:
-        assert self.state is RegionState.STEPPING, self.state
-        self.state, self.writes = RegionState.CLEAN, writes
+        """STEPPING -> CLEAN: released, its write-back in flight."""
+        self._move("end_step")
+        self.writes = writes
 
 
 class StagingRing:
     """Regions of one staging buffer, filled ahead of the step by a prefetch thread."""
 
-    def __init__(self, store: Store, capacity: int) -> None:
+    def __init__(self, store: Store, capacity: int, spec: OptimizerSpec = ADAMW) -> None:
         self.store = store
         self.capacity = capacity  # fp32 elements
+        self.spec = spec  # the optimizer's state parts: what a region holds
         self.buffer = store.staging_buffer(capacity, torch.float32)
         self._regions: list[Region] = []  # placement order, oldest first
         self._index: dict[str, Region] = {}
@@ -128,15 +188,11 @@ class StagingRing:
         self._demand: tuple[str, int] | None = None
         self._planned: set[str] = set()
         self._stepped: set[str] = set()  # acquired since the plan was set: not pinned again
-        self._busy = False  # the prefetch thread holds a region outside the lock
-        self._error: BaseException | None = None  # fails the next acquire; flush() clears it
-        # Whether flush() raises _error: a failed write-back does, and so does an error an acquire
-        # raised (the step's); a failed read ahead that no step asked for is nobody's error.
-        self._error_counts = False
+        self._state = RingState.READY
+        self._error: BaseException | None = None  # READ_FAILED / STEP_FAILED: the failure; flush() clears it
+        self._why_dead = ""  # DEAD: why the prefetch thread stopped
+        self._flush_depth = 0  # FLUSHING: flushes in progress (the last one out makes the ring READY)
         self._stale: dict[str, str] = {}  # key -> why the drive's copy is older (until rewritten)
-        self._dead: str | None = None  # the prefetch thread stopped: why
-        self._closing = False
-        self._flushing = 0  # flushes settling regions they took out: nothing is placed meanwhile
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="zero-offload-prefetch", daemon=True)
         self._thread.start()
@@ -145,17 +201,34 @@ class StagingRing:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    @property
+    def ring_state(self) -> RingState:
+        return self._state
+
+    @property
+    def _busy(self) -> bool:
+        """The prefetch thread holds a region outside the lock (read by tests)."""
+        return self._state is RingState.PLACING
+
+    def _move(self, to: RingState) -> None:
+        """Under the lock: enter `to`, or raise StagingStateError if the ring's state does not allow it."""
+        if self._state not in _RING_MOVES[to]:
+            allowed = " or ".join(s.name for s in _RING_MOVES[to])
+            raise StagingStateError(f"staging ring: cannot go to {to.name} from {self._state.name} "
+                                    f"(only from {allowed})")
+        self._state = to
+
     def state(self, region: Region) -> torch.Tensor:
-        """The region's master, m and v back to back: what its store key holds."""
-        return self.buffer[region.start:region.start + len(PARTS) * region.numel]
+        """The region's state parts back to back: what its store key holds."""
+        return self.buffer[region.start:region.start + self.spec.state_numel(region.numel)]
 
     def views(self, region: Region) -> tuple[torch.Tensor, ...]:
-        return self.state(region).view(len(PARTS), region.numel).unbind(0)
+        return self.state(region).view(len(self.spec.parts), region.numel).unbind(0)
 
     # ---- the step worker's side ----
     def plan(self, shards: list[tuple[str, int]]) -> None:
         """Read these shards ahead, in this order, from now on (replacing any plan in progress)."""
-        if any(span(n) > self.capacity for _, n in shards):
+        if any(span(n, self.spec) > self.capacity for _, n in shards):
             raise ValueError("StagingRing.plan: a shard is larger than the ring")
         with self._cond:
             self._plan, self._stepped = deque(shards), set()
@@ -168,7 +241,7 @@ class StagingRing:
     def acquire(self, key: str, numel: int) -> Region:
         """The region holding `key`, read and ready to step (waits for the prefetch thread).
         A failed transfer of any shard fails the next acquire: the step cannot complete."""
-        if span(numel) > self.capacity:
+        if span(numel, self.spec) > self.capacity:
             raise ValueError(f"StagingRing.acquire({key!r}): {numel} elements do not fit the ring")
         with self._cond:
             while True:
@@ -202,15 +275,16 @@ class StagingRing:
             self._stale.pop(key, None)
 
     def _raise_if_unusable(self, key: str) -> None:
-        if self._closing:
+        if self._state is RingState.CLOSED:
             raise RuntimeError(f"the staging ring is closed: shard {key!r} cannot be staged")
-        if self._error is not None:
-            self._error_counts = True
+        if self._state in _FAILED:
+            if self._state is RingState.READ_FAILED:
+                self._move(RingState.STEP_FAILED)  # the step saw it: flush() raises it too
             raise self._error
         if key in self._stale:
             raise RuntimeError(self._stale[key])
-        if self._dead is not None:
-            raise RuntimeError(self._dead)
+        if self._state is RingState.DEAD:
+            raise RuntimeError(self._why_dead)
 
     def _note_failure(self, region: Region) -> None:
         """Under the lock, after a region's transfer failed: a failed write-back leaves the drive
@@ -246,14 +320,11 @@ class StagingRing:
         transfers are still in flight in the ring, to be settled by whoever reuses them."""
         with self._cond:
             self._plan, self._demand, self._stepped, self._planned = deque(), None, set(), set()
-            while self._busy:
+            while self._state is RingState.PLACING:
                 self._cond.wait()
             regions, self._regions, self._index, self._head = self._regions, [], {}, 0
-            err = self._error if self._error_counts else None
-            self._error, self._error_counts = None, False
-            # Until they settle, the forgotten regions' memory may still be written back from
-            # or read into: a plan or demand meanwhile must not place a region over them.
-            self._flushing += 1
+            err = self._error if self._state is RingState.STEP_FAILED else None
+            self._begin_flush()
         settled = False
         try:
             err = _settle_all(regions, err)
@@ -264,11 +335,27 @@ class StagingRing:
                     self._note_failure(r)
                 if not settled:
                     self._keep_unsettled(regions)
-                self._flushing -= 1
+                self._end_flush()
                 self._cond.notify_all()
         if err is not None and not after_error:
             raise err
-        return sum(12 * r.numel for r in regions if r.unused)
+        return sum(self.spec.state_bytes(r.numel) for r in regions if r.unused)
+
+    def _begin_flush(self) -> None:
+        """Under the lock: any failure is taken by this flush, and until the regions it took out
+        settle, their memory may still be written back from or read into, so nothing is placed
+        (FLUSHING). A dead or closed ring stays so: no thread places anything there."""
+        self._error = None
+        if self._state not in (RingState.DEAD, RingState.CLOSED):
+            self._move(RingState.FLUSHING)
+            self._flush_depth += 1
+
+    def _end_flush(self) -> None:
+        """Under the lock: the last flush in progress has settled its regions (READY again)."""
+        if self._state is RingState.FLUSHING:
+            self._flush_depth -= 1
+            if self._flush_depth == 0:
+                self._move(RingState.READY)
 
     def _keep_unsettled(self, regions: list[Region]) -> None:
         """Under the lock, after an interrupted flush: the regions with transfers still in flight
@@ -286,7 +373,7 @@ class StagingRing:
             self.flush(after_error=after_error)
         finally:
             with self._cond:
-                self._closing = True
+                self._move(RingState.CLOSED)
                 self._cond.notify_all()
             self._thread.join()
 
@@ -297,8 +384,8 @@ class StagingRing:
                 pass
         except BaseException as exc:  # a bug, not an I/O error: never leave acquire() waiting
             with self._cond:
-                self._dead = f"the staging ring's prefetch thread stopped: {exc!r}"
-                self._busy = False
+                self._why_dead = f"the staging ring's prefetch thread stopped: {exc!r}"
+                self._move(RingState.DEAD)
                 self._cond.notify_all()
 
     def _serve_one(self) -> bool:
@@ -316,17 +403,15 @@ class StagingRing:
             _settle_quietly(reads)  # nothing may land in the region once it is forgotten
             with self._cond:
                 self._forget(region)
-                if self._error is None:  # a victim's failed write-back is raised by flush()
-                    self._error = exc
-                    self._error_counts = any(v.write_failed for v in victims)
-                self._busy = False
+                self._error = exc  # a victim's failed write-back is the step's: flush() raises it
+                self._move(RingState.STEP_FAILED if any(v.write_failed for v in victims) else RingState.READ_FAILED)
                 self._cond.notify_all()
             return True
         with self._cond:
             region.loaded(reads)
             if not demanded and region.key not in self._planned:  # the plan changed meanwhile
                 region.unpin()
-            self._busy = False
+            self._move(RingState.READY)
             self._cond.notify_all()
         return True
 
@@ -346,9 +431,9 @@ class StagingRing:
 
     def _next_job(self) -> tuple[Region, list[Region], bool] | None:
         """Under the lock: wait for a shard to place and room for it; None when closing."""
-        while not self._closing:
+        while self._state is not RingState.CLOSED:
             entry = self._demand or (self._plan[0] if self._plan else None)
-            if entry is None or self._error is not None or self._flushing:
+            if entry is None or self._state is not RingState.READY:
                 self._cond.wait()
                 continue
             key, numel = entry
@@ -367,10 +452,11 @@ class StagingRing:
                 continue
             start, victims = placed
             self._consume(entry)
-            region = Region(key, start, numel)
+            region = Region(key, start, numel, span(numel, self.spec))
             self._regions.append(region)
             self._index[key] = region
-            self._head, self._busy = start + span(numel), True
+            self._head = start + region.length
+            self._move(RingState.PLACING)
             return region, victims, demanded
         return None
 
@@ -382,7 +468,7 @@ class StagingRing:
 
     def _place(self, numel: int, *, evict_pending: bool) -> tuple[int, list[Region]] | None:
         """Where the next region goes and the regions it evicts; None if one of them is in use."""
-        size = span(numel)
+        size = span(numel, self.spec)
         start = self._head if self._head + size <= self.capacity else 0
         victims = [r for r in self._regions if r.overlaps(start, size)]
         movable = (RegionState.CLEAN, RegionState.PENDING) if evict_pending else (RegionState.CLEAN,)

@@ -19,6 +19,8 @@ import torch
 
 from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS
 from zero_offload.engine.step.pipeline import updated_buffer
+from zero_offload.optim.adamw import ADAMW
+from zero_offload.optim.spec import OptimizerSpec
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,14 @@ class SubShard:
         return self.hi - self.lo
 
 
-def subshard_limit(budget_bytes: int) -> int:
-    """Most elements per sub-shard: three sub-shards' master + m + v (12 B/element) fill the budget."""
-    return max(ALIGN_ELEMENTS, budget_bytes // (3 * 12) // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+SUBSHARDS_PER_RING = 3  # one stepping, one being written back, one being read
+
+
+def subshard_limit(budget_bytes: int, spec: OptimizerSpec = ADAMW) -> int:
+    """Most elements per sub-shard: three sub-shards' state (the spec's bytes per element: 12 for
+    AdamW's master + m + v) fill the budget."""
+    per_subshard = budget_bytes // (SUBSHARDS_PER_RING * spec.bytes_per_element)
+    return max(ALIGN_ELEMENTS, per_subshard // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
 
 
 def split(key: str, numel: int, limit: int | None) -> list[SubShard]:
