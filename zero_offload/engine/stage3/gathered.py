@@ -59,7 +59,7 @@ def units_of(rt: "Stage3Runtime", params: list[nn.Parameter]) -> list[Unit]:
 @contextlib.contextmanager
 def gathered(rt: "Stage3Runtime", params: list[nn.Parameter], modify: bool) -> Iterator[None]:
     """Gather the units holding `params` for the block; see the module docstring."""
-    if any(rt._refs.values()):
+    if rt.units_in_use():
         raise RuntimeError("engine.gathered: a forward's units are still in use (call it after engine.step(), "
                            "or after an evaluation forward, not between a forward and its backward)")
     if rt.gathering:  # the inner block's release_all would take the outer one's units away
