@@ -24,6 +24,11 @@ writes each new compute-copy shard to the params tier, then the prefetcher start
 units. Units smaller than stage3.resident_bytes stay gathered on the device for the whole run
 (outside the live budget); after each step they take their new shard in place and all-gather.
 
+Pass state. The Engine's phase (engine/phase.py) is read, never kept here (`phase`); the runtime
+keeps the pass as its hooks see it (PassStage: CLOSED, FORWARD, BACKWARD from begin_backward to
+end_backward) and one unit.UnitPass per unit (references held, backward progress), all made anew
+by _reset_pass.
+
 Reads elsewhere. A recording pass (the first, one that follows a pass that found such reads,
 changed order or failed) runs its forward under hooks.ReadWatch: a torch call given a parameter
 of a released unit (a head written `F.linear(x, self.wte.weight)` in the model's forward) gathers
@@ -521,6 +526,7 @@ class Stage3Runtime:
 
     # ---- passes ----
     def _reset_pass(self) -> None:
+        """Every unit's pass record anew, the last pass's input hooks and calls in progress gone."""
         for watch in self._watches:  # the last pass's input hooks (see hooks.InputWatch)
             watch.remove()
         self._watches = []

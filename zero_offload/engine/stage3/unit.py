@@ -14,13 +14,16 @@ unit is gathered again for backward (same storage, re-filled) the saved view rea
 values, and while sharded that storage holds no bytes. Swapping `.data` keeps the nn.Parameter
 objects themselves, so tied weights stay one object and optimizers/hooks keyed by parameter work.
 
-State machine (owned here, transitions assert the state they leave):
+State machine (owned here, transitions raise unless in the state they leave):
     SHARDED --begin_fetch--> FETCHING --finish_gather--> GATHERED --release--> SHARDED
     FETCHING --abandon--> SHARDED   (a prefetch that turned out not to be needed)
 `fetch_local` (this rank's shard: tier -> gather buffer -> device slot, or straight from the
 values of a write of that shard still in flight) may run on a background thread; `finish_gather`
 (the all-gather) always runs on the main thread, in execution order, so every rank issues the
 same collectives in the same order.
+
+A unit's part in the current pass (how many calls hold it, how far its backward has come:
+UnitBackward) is a UnitPass, which the runtime keeps beside the unit and renews each pass.
 """
 from __future__ import annotations
 
