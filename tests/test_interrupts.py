@@ -24,7 +24,7 @@ from zero_offload.engine.state import checkpoint
 from zero_offload.engine.step import pipeline as step_mod
 from zero_offload.engine.engine import EngineStateError
 from zero_offload.engine.step.pipeline import updated_buffer
-from zero_offload.engine.stage3.unit import StagingPool, Unit
+from zero_offload.engine.stage3.unit import GatherBuffers as StagingPool, Unit
 from zero_offload.io.base import DoneFuture
 from zero_offload.store import make_store
 from zero_offload.store.base import Handle

@@ -14,7 +14,7 @@ from _stage3_model import batch, make_model, max_rel_err, reference, train_runti
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.model.materialize import save_safetensors
 from zero_offload.engine.stage3.runtime import Stage3Runtime
-from zero_offload.engine.stage3.unit import StagingPool, Unit, UnitState
+from zero_offload.engine.stage3.unit import GatherBuffers as StagingPool, Unit, UnitState
 from zero_offload.store.base import Handle
 from zero_offload.store.host import HostStore
 

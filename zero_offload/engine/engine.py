@@ -1,4 +1,4 @@
-"""The public facade: `initialize(model, config)` → Engine, and the engine's phase state machine.
+"""The public facade: `initialize(model, config)` → Engine, which owns the phase machine (phase.py).
 
 The Engine owns the order of calls (IDLE → FORWARD → BACKWARD → STEP → IDLE), its health (OK,
 STOPPED, LOAD_FAILED, CLOSED: whether it may train), the micro-batch count that decides the
@@ -23,46 +23,8 @@ from zero_offload.engine.model.weights_files import Weights
 from zero_offload.engine.runtime import ModelView, Runtime, Standing, TrainingState
 from zero_offload.engine.step.param_groups import resolve as resolve_groups, runs as group_runs
 from zero_offload.engine.step.shard_optimizer import DTYPES, HandOverFailed
+from zero_offload.engine.phase import EngineStateError, Phase, PhaseMachine  # the phase machine (phase.py)
 from zero_offload.io import swap_files
-
-
-class Phase(Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    STEP = "step"
-
-
-class EngineStateError(RuntimeError):
-    """A call out of order (e.g. step() before backward())."""
-
-
-class PhaseMachine:
-    """The engine's phase; each transition names the phases it may leave and says what is wrong."""
-
-    def __init__(self) -> None:
-        self.phase = Phase.IDLE
-
-    def _move(self, call: str, allowed: tuple[Phase, ...], to: Phase, hint: str) -> None:
-        if self.phase not in allowed:
-            raise EngineStateError(f"engine.{call} called in phase {self.phase.value}: {hint}")
-        self.phase = to
-
-    def start_forward(self) -> None:
-        self._move("forward", (Phase.IDLE, Phase.FORWARD), Phase.FORWARD,
-                   "call engine.step() after engine.backward() before the next forward")
-
-    def start_backward(self) -> None:
-        self._move("backward()", (Phase.FORWARD,), Phase.BACKWARD, "run a forward (engine(...)) first")
-
-    def start_step(self) -> None:
-        self._move("step()", (Phase.BACKWARD,), Phase.STEP, "call engine.backward(loss) first")
-
-    def finish_step(self) -> None:
-        self._move("step()", (Phase.STEP,), Phase.IDLE, "internal error: step finished twice")
-
-    def abort_backward(self) -> None:
-        self._move("backward()", (Phase.BACKWARD,), Phase.IDLE, "internal error: no backward to abort")
 
 
 class Health(Enum):
@@ -167,7 +129,8 @@ class Engine:
             from zero_offload.engine.stage3.runtime import Stage3Runtime
 
             self.module = model
-            self.runtime = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights)
+            self.runtime = Stage3Runtime(model, config, self.device, init_fn=init_fn, weights=weights,
+                                         phase=self.phase.view())
         else:
             self._build_bucket_runtime(model, config, init_fn, weights)
         # An engine dropped without close() still lets its threads, files and swap-folder locks go

@@ -20,8 +20,8 @@ reported has its gradients. A unit with frozen parameters needs its weights unti
 its inputs has been computed (a frozen weight may still be needed for it after every trainable
 parameter reported); an InputWatch on this call's inputs reports that.
 
-Nothing is stored on the modules or parameters: the runtime keeps its own tables, and the handles
-returned here remove every hook.
+Nothing is stored on the modules or parameters: the runtime keeps one record per unit for the
+pass (unit.UnitPass), and the handles returned here remove every hook.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The traced schedule and the prefetcher: units arrive before they are needed, inside a hard budget.
 
+Here "prefetch" is a unit's gather ahead of its use (thread `zo-prefetch`); the optimizer's
+read-ahead of its state into the staging ring (engine/step/staging_ring.py) is another thing.
+
 Schedule. A pass (one forward and its backward) uses units in some order. The first pass records
 it; later passes compare each use against the record. While they match, the prefetcher starts the
 local fetch (tier -> staging -> device) of the next `depth` units on a background thread, so it

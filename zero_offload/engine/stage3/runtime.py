@@ -19,6 +19,11 @@ writes each new compute-copy shard to the params tier, then the prefetcher start
 units. Units smaller than stage3.resident_bytes stay gathered on the device for the whole run
 (outside the live budget); after each step they take their new shard in place and all-gather.
 
+Pass state. The Engine's phase (engine/phase.py) is read, never kept here (`phase`); the runtime
+keeps the pass as its hooks see it (PassStage: CLOSED, FORWARD, BACKWARD from begin_backward to
+end_backward) and one unit.UnitPass per unit (references held, backward progress), all made anew
+by _reset_pass.
+
 Reads elsewhere. A recording pass (the first, one that follows a pass that found such reads,
 changed order or failed) runs its forward under hooks.ReadWatch: a torch call given a parameter
 of a released unit (a head written `F.linear(x, self.wte.weight)` in the model's forward) gathers
@@ -46,9 +51,10 @@ from zero_offload.engine.step.accumulate import Accumulator, missing_ranges
 from zero_offload.engine.stage3.prefetch import BudgetExceeded, Prefetcher, check_same_unit
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.model.attributes import check_bindings, param_bindings
+from zero_offload.engine.phase import Phase, PhaseMachine, PhaseView
 from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, Standing, grads_by_tier, grads_slot_rounding,
                                           padding, standing_of)
-from zero_offload.engine.stage3.unit import FlatGroup, StagingPool, Unit, UnitState
+from zero_offload.engine.stage3.unit import FlatGroup, GatherBuffers, PassStateError, Unit, UnitPass, UnitState
 from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
 from zero_offload.optim.registry import spec_for
@@ -68,8 +74,16 @@ _TWICE = ("stage 3: unit '{unit}' {what} after its gradients were reduced in thi
           "use_reentrant=True) around a module that is also used outside that checkpoint or in another; "
           "use use_reentrant=False")
 
-class Phase(enum.Enum):
-    IDLE = "idle"
+class PassStage(enum.Enum):
+    """Where the current pass stands as stage 3's hooks see it: a sub-state of the engine's
+    phase (phase.py), not a second phase. The hooks keep it because they also see the model
+    called directly and a runtime driven without an Engine, and end_backward closes the pass
+    while the engine stays in BACKWARD until step().
+        CLOSED --model's pre-hook--> FORWARD --begin_backward--> BACKWARD --end/abort_backward--> CLOSED
+    (FORWARD --pre-hook--> FORWARD: the next pass, after an evaluation or a failed forward; a
+    forward hook in BACKWARD is a checkpoint's recomputation.)"""
+
+    CLOSED = "closed"
     FORWARD = "forward"
     BACKWARD = "backward"
 
@@ -84,8 +98,10 @@ class Stage3Runtime:
     replicated = False
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device, *,
-                 init_fn: materialize.InitFn | None = None, weights: materialize.Weights = None) -> None:
+                 init_fn: materialize.InitFn | None = None, weights: materialize.Weights = None,
+                 phase: PhaseView | None = None) -> None:
         self.model, self.config, self.device = model, config, torch.device(device)
+        self._engine_phase = phase or PhaseMachine().view()  # the Engine's; without one, always idle
         self.world, self.rank = comm.world_size(), comm.rank()
         self.dtype = DTYPES[config.precision.dtype]
         self.scale = 1.0 / (self.world * config.gradient_accumulation_steps)
@@ -146,9 +162,8 @@ class Stage3Runtime:
                                                       capacity_bytes=(1 << 20)),  # NVMe files grow on demand
                                            {u.trainable.key: len(u.trainable.params) for u in self.units
                                             if u.trainable is not None})
-            self.phase = Phase.IDLE
-            self.boundary = True
-            self._in_backward = False  # between begin_backward and end_backward (engine.backward)
+            self.stage = PassStage.CLOSED
+            self.boundary = True  # begin_backward's: whether this backward ends an accumulation cycle
             self.gathering = False  # inside engine.gathered (gathered.py)
             self._fresh: dict[str, torch.Tensor] = {}
             self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
@@ -158,6 +173,20 @@ class Stage3Runtime:
         except BaseException:  # an init_fn that raises, a full drive: what was made goes (threads, files, locks)
             self.close()
             raise
+
+    @property
+    def phase(self) -> Phase:
+        """The Engine's phase (read-only: the Engine moves it); stage 3's finer view is `stage`."""
+        return self._engine_phase.phase
+
+    def _to_stage(self, allowed: tuple[PassStage, ...], to: PassStage) -> None:
+        if self.stage not in allowed:
+            raise PassStateError(f"stage 3: the pass moves to {to.value} from {self.stage.value} (internal error)")
+        self.stage = to
+
+    def units_in_use(self) -> bool:
+        """Whether a call in progress (or a backward) holds a unit of the current pass."""
+        return any(r.refs for r in self._unit_pass)
 
     def refuse_compiled(self, module: nn.Module) -> None:
         """torch.compile traces the engine's hooks (Dynamo fails on them) and saves parameters
@@ -191,7 +220,7 @@ class Stage3Runtime:
     def begin_gathered(self) -> None:
         """engine.gathered's units are about to be gathered: refused while a forward's units are
         in use, or inside another engine.gathered (whose units its release_all would take)."""
-        if any(self._refs.values()):
+        if self.units_in_use():
             raise RuntimeError("engine.gathered: a forward's units are still in use (call it after engine.step(), "
                                "or after an evaluation forward, not between a forward and its backward)")
         if self.gathering:
@@ -209,12 +238,12 @@ class Stage3Runtime:
         capacity = (numel // self.world + 64 * len(plan.units)) * elem + 2 * len(plan.units) * BLOCK + (1 << 20)
         self.params_store = make_store(self.config.tiers.params, "params", self.config, device=self.device,
                                        rank=self.rank, capacity_bytes=capacity)
-        self.staging = StagingPool(self.params_store)
+        self.gather_buffers = GatherBuffers(self.params_store)
         self.units: list[Unit] = []
         for i, up in enumerate(plan.units):
             named = [(n, p, shapes[id(p)]) for n, p in up.params]
             self.units.append(Unit(i, up.name or "<root>", named, dtype=self.dtype, device=self.device,
-                                   store=self.params_store, staging=self.staging))
+                                   store=self.params_store, staging=self.gather_buffers))
         for u in self.units:
             u.resident = u.nbytes < self.config.stage3.resident_bytes
         self.by_key = {g.key: (u, g) for u in self.units for g in u.groups}
@@ -304,7 +333,7 @@ class Stage3Runtime:
         around that module's calls and gathered for their backward (autograd saved the weight).
         Every rank reads alike, so the on-demand gathers stay in step (check_same_unit)."""
         u, name = self._owned[id(param)]
-        if self._in_hook or self.phase is not Phase.FORWARD or not self._calls or self._refs.get(u.index, 0):
+        if self._in_hook or self.stage is not PassStage.FORWARD or not self._calls or self._unit_pass[u.index].refs:
             return
         module, extra = self._calls[-1]
         extra.append(u)
@@ -343,29 +372,30 @@ class Stage3Runtime:
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool:
         """A use of a unit that counts its inputs (_counts_inputs) is watched in forward, and in
         backward when it recomputes a use the forward made without grad (a reentrant checkpoint's)."""
-        if self.phase is Phase.BACKWARD:
-            return any(self._unwatched.get(u.index, 0) for u in units)
+        if self.stage is PassStage.BACKWARD:
+            return any(self._unit_pass[u.index].unwatched for u in units)
         return any(self._counts_inputs(u) for u in units)
 
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: hooks.InputWatch | None) -> None:
         self._segment_end()
         self._in_hook = True
         try:
-            if module is self.model and self.phase is not Phase.BACKWARD:
+            if module is self.model and self.stage is not PassStage.BACKWARD:
                 self._begin_pass()
             self._calls.append((module, []))
             if watch is not None:
                 self._watches.append(watch)
             for u in units:
                 self._count_use(u, watch is not None)
-                if self.phase is Phase.BACKWARD:  # checkpoint recomputation
-                    if u.index in self._held:
+                if self.stage is PassStage.BACKWARD:  # checkpoint recomputation
+                    rec = self._unit_pass[u.index]
+                    if rec.held:
                         continue  # gathered for backward already; the recomputation may stop early and never exit
-                    self._recomputing.add(u.index)
+                    rec.recomputing = True
                 self._acquire(u)
         finally:
             self._in_hook = False
-        if module is self.model and self.phase is Phase.FORWARD:
+        if module is self.model and self.stage is PassStage.FORWARD:
             self._start_read_watch()
         self._segment_start()
 
@@ -375,13 +405,14 @@ class Stage3Runtime:
         recomputation in backward (a reentrant checkpoint) is watched instead."""
         if not self._counts_inputs(u):
             return
+        rec = self._unit_pass[u.index]
         if watched:
-            self._exits[u.index] = self._exits.get(u.index, 0) + 1
-            self._watched.add(u.index)
-            if self.phase is Phase.BACKWARD:
-                self._unwatched[u.index] -= 1
-        elif self.phase is Phase.FORWARD and not torch.is_grad_enabled():
-            self._unwatched[u.index] = self._unwatched.get(u.index, 0) + 1
+            rec.inputs_pending += 1
+            rec.watched = True
+            if self.stage is PassStage.BACKWARD:
+                rec.unwatched -= 1
+        elif self.stage is PassStage.FORWARD and not torch.is_grad_enabled():
+            rec.unwatched += 1
 
     def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> tuple[Unit, ...]:
         """Releases what the call acquired; returns its units, with those it read on demand."""
@@ -390,29 +421,30 @@ class Stage3Runtime:
         try:
             used = tuple(units) + tuple(self._pop_call(module))
             for u in used:
-                if self.phase is Phase.BACKWARD:
-                    if u.index not in self._recomputing:
+                if self.stage is PassStage.BACKWARD:
+                    rec = self._unit_pass[u.index]
+                    if not rec.recomputing:
                         continue
-                    self._recomputing.discard(u.index)
+                    rec.recomputing = False
                 self._unacquire(u)
         finally:
             self._in_hook = False
-        if module is not self.model or self.phase is Phase.BACKWARD:
+        if module is not self.model or self.stage is PassStage.BACKWARD:
             self._segment_start()
         return used
 
     def backward_enter(self, module: nn.Module, units: Sequence[Unit]) -> None:
         self._require_engine_backward()
         self._segment_end()
-        self.phase = Phase.BACKWARD
         attached = self._attached.get(module, ())
         for u in units:
+            rec = self._unit_pass[u.index]
             # A unit read by this module is done once its own gradient is: this module's backward may
             # come later (a read under no_grad), and needs none of its gradient then.
-            if u.index in self._done and u.trainable is not None and u not in attached:
+            if rec.finished and u.trainable is not None and u not in attached:
                 raise RuntimeError(_TWICE.format(unit=u.name, what="is needed for backward again"))
-            if u.index not in self._held and u.index not in self._done:
-                self._held.add(u.index)
+            if not rec.held and not rec.finished:
+                rec.hold()
                 self._acquire(u)
         self._segment_start()
 
@@ -422,17 +454,18 @@ class Stage3Runtime:
         let go if its trainable parameters have reported)."""
         self._segment_end()
         for u in units:
-            left = self._exits.get(u.index, 0)
+            rec = self._unit_pass[u.index]
+            left = rec.inputs_pending
             if self._counts_inputs(u) and left > 0:
-                self._exits[u.index] = left - 1
+                rec.inputs_pending = left - 1
                 if left == 1 and (u.trainable is None or u.index in self._routed):
                     self._finish_unit(u)
-                elif left == 1 and u.index in self._done:
+                elif left == 1 and rec.finished:
                     self._let_go(u)
         self._segment_start()
 
     def _require_engine_backward(self) -> None:
-        if not self._in_backward:
+        if self.stage is not PassStage.BACKWARD:  # between begin_backward and end_backward
             raise RuntimeError("a gradient arrived outside engine.backward(): call engine.backward(loss), not "
                                "loss.backward(); at stage 3 torch.autograd.grad and double backward "
                                "(create_graph=True) are not supported either (stages 0-2 support them)")
@@ -440,11 +473,11 @@ class Stage3Runtime:
     def param_grad(self, unit: Unit, param: torch.Tensor) -> None:
         self._require_engine_backward()
         self._segment_end()
-        if id(param) in self._reported_params:  # a unit is reduced once all its parameters reported once
+        reported = self._unit_pass[unit.index].reported
+        if id(param) in reported:  # a unit is reduced once all its parameters reported once
             raise RuntimeError(_TWICE.format(unit=unit.name, what="got a second gradient"))
-        self._reported_params.add(id(param))
-        self._reported[unit.index] = self._reported.get(unit.index, 0) + 1
-        if self._reported[unit.index] == len(unit.trainable.params) and unit.index not in self._routed:
+        reported.add(id(param))
+        if len(reported) == len(unit.trainable.params) and unit.index not in self._routed:
             self._finish_unit(unit)
         self._segment_start()
 
@@ -452,25 +485,28 @@ class Stage3Runtime:
     def _acquire(self, u: Unit) -> None:
         if u.resident:
             return
-        self._refs[u.index] = self._refs.get(u.index, 0) + 1
-        if self._refs[u.index] == 1:
+        rec = self._unit_pass[u.index]
+        rec.refs += 1
+        if rec.refs == 1:
             self.prefetcher.use(u)
 
     def _unacquire(self, u: Unit) -> None:
         if u.resident:
             return
-        self._refs[u.index] -= 1
-        if self._refs[u.index] == 0:
+        rec = self._unit_pass[u.index]
+        rec.refs -= 1
+        if rec.refs == 0:
             self.prefetcher.release(u)
 
     def _finish_unit(self, u: Unit) -> None:
         """The unit's backward is done: reduce its gradients and let it go."""
-        if u.index in self._done:
+        rec = self._unit_pass[u.index]
+        if rec.finished:
             return
-        self._done.add(u.index)
+        rec.finish()
         if u.trainable is not None:  # its reduce-scatter: ranks reduce units in their own backward's order
             check_same_unit(u, "reduce")
-            complete = self._reported.get(u.index, 0) == len(u.trainable.params)  # else reduced after backward
+            complete = len(rec.reported) == len(u.trainable.params)  # else reduced after backward
             self.accumulator.note(u.trainable.key, () if complete else
                                   [i for i, p in enumerate(u.trainable.params) if p.grad is None])
         shard = u.reduce_grads(self.scale, aligned=not self.accumulator.store.addressable)  # a drive wants it aligned
@@ -480,7 +516,7 @@ class Stage3Runtime:
             self._waiting.append((u, shard))  # maybe no gradient on any rank: see _step_incomplete
         elif shard is not None:
             self.shard_optimizer.grad_ready(u.trainable.key, shard, owned=True)
-        if self._exits.get(u.index, 0) == 0 and not self._held_to_end(u):
+        if rec.inputs_pending == 0 and not self._held_to_end(u):
             self._let_go(u)  # else a frozen part may still be needed (see inputs_grad)
 
     def _held_to_end(self, u: Unit) -> bool:
@@ -491,29 +527,23 @@ class Stage3Runtime:
         frozen parameters that another module reads: that module's backward may need a frozen
         weight after the unit's own uses are done (and in the pass that finds the read, its
         use there is not counted)."""
-        return self._counts_inputs(u) and (u.index in self._enclosing and u.index not in self._watched
-                                      or u.index in self._read_units)
+        return self._counts_inputs(u) and (u.index in self._enclosing and not self._unit_pass[u.index].watched
+                                           or u.index in self._read_units)
 
     def _let_go(self, u: Unit) -> None:
         """Backward needs the unit's weights no more."""
-        if u.index in self._held:
-            self._held.discard(u.index)
+        rec = self._unit_pass[u.index]
+        if rec.held:
+            rec.let_go()
             self._unacquire(u)
 
     # ---- passes ----
     def _reset_pass(self) -> None:
+        """Every unit's pass record anew, the last pass's input hooks and calls in progress gone."""
         for watch in self._watches:  # the last pass's input hooks (see hooks.InputWatch)
             watch.remove()
         self._watches = []
-        self._refs: dict[int, int] = {}
-        self._held: set[int] = set()
-        self._done: set[int] = set()
-        self._reported: dict[int, int] = {}
-        self._reported_params: set[int] = set()
-        self._exits: dict[int, int] = {}
-        self._watched: set[int] = set()  # units whose inputs this pass watches (hooks.InputWatch)
-        self._unwatched: dict[int, int] = {}  # uses made without grad, to watch when recomputed
-        self._recomputing: set[int] = set()
+        self._unit_pass = [UnitPass(u) for u in self.units]  # every unit's pass state, by index
         self._seg: int | None = None
         self._stop_read_watch()  # a forward that raised (its always-called hook ends it too)
         self._calls = []
@@ -522,14 +552,14 @@ class Stage3Runtime:
             self.prefetcher.schedule.forget()
 
     def _begin_pass(self) -> None:
-        if self.phase is Phase.FORWARD and any(self._refs.values()):
+        if self.stage is PassStage.FORWARD and self.units_in_use():
             self.prefetcher.release_all()  # the previous forward raised part way: what it held goes
             self._recheck = True  # a read the watch was off for may be why
-        elif self.phase is Phase.FORWARD:  # the previous pass had no backward (evaluation)
+        elif self.stage is PassStage.FORWARD:  # the previous pass had no backward (evaluation)
             self._end_pass()
         self._reset_pass()
         self.prefetcher.begin_pass()
-        self.phase = Phase.FORWARD
+        self._to_stage((PassStage.CLOSED, PassStage.FORWARD), PassStage.FORWARD)
 
     def begin_forward(self, boundary: bool) -> None:
         """Called by the Engine before a training forward: on the boundary the optimizer may start
@@ -545,14 +575,16 @@ class Stage3Runtime:
         for u in self.units:
             for p in u.params():
                 p.grad = None
+        self._segment_end()  # a forward segment still open (a unit's module called after the model)
+        self._to_stage((PassStage.CLOSED, PassStage.FORWARD), PassStage.BACKWARD)
         self.boundary = boundary
-        self._in_backward = True
 
     def end_backward(self) -> None:
         """After loss.backward(): reduce every unit that did not finish, in unit order; end the pass."""
         self._segment_end()
         for u in self.units:
-            if u.index not in self._done and (u.trainable is not None or u.index in self._held):
+            rec = self._unit_pass[u.index]
+            if not rec.finished and (u.trainable is not None or rec.held):
                 self._finish_unit(u)
             self._let_go(u)  # a mixed unit whose inputs' gradient never came (nothing upstream wanted it)
         leaked = [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
@@ -561,7 +593,7 @@ class Stage3Runtime:
         if self.boundary:
             self._step_incomplete()
         self._end_pass()
-        self.phase, self._in_backward = Phase.IDLE, False
+        self._to_stage((PassStage.BACKWARD,), PassStage.CLOSED)
         if not self.boundary:  # no step follows: the shards the next pass reads are final already
             self.prefetcher.warm_start()
         self.boundary = True
@@ -591,7 +623,7 @@ class Stage3Runtime:
     def backward_touched(self) -> bool:
         """After a failed backward: whether a unit's gradient had been reduced (summed into a
         partial sum, or handed to the step)."""
-        return any(self.units[i].trainable is not None for i in self._done)
+        return any(r.finished and r.unit.trainable is not None for r in self._unit_pass)
 
     def abort_backward(self) -> None:
         """After a failed backward: nothing more is reduced or stepped, the gradients autograd
@@ -608,7 +640,7 @@ class Stage3Runtime:
             self.prefetcher.release_all()
         finally:  # a read ahead that failed is reported, after the pass is reset all the same
             self._reset_pass()
-            self.phase, self.boundary, self._in_backward = Phase.IDLE, True, False
+            self.stage, self.boundary = PassStage.CLOSED, True  # from any stage: whatever the pass had reached
             self._abandon_step()
 
     def _abandon_step(self) -> None:
@@ -623,12 +655,12 @@ class Stage3Runtime:
 
     def _segment_start(self) -> None:
         """Model compute runs between two hooks: the time from a hook's end to the next hook's start."""
-        if tracer().enabled and self.phase is not Phase.IDLE:
+        if tracer().enabled and self.stage is not PassStage.CLOSED:
             self._seg = time.perf_counter_ns()
 
     def _segment_end(self) -> None:
         if self._seg is not None:
-            tracer().add(self.phase.value, "compute", self._seg, time.perf_counter_ns())
+            tracer().add(self.stage.value, "compute", self._seg, time.perf_counter_ns())
             self._seg = None
 
     # ---- step ----
@@ -787,7 +819,7 @@ class Stage3Runtime:
         return {**self._padding(), FROZEN_ROW: self._frozen_shard_bytes(),
                 "gathered units (peak, stage 3)": s["peak_gathered_bytes"],
                 "resident units (stage 3)": s["resident_bytes"],
-                "staging buffers (params)": self.staging.nbytes,
+                "staging buffers (params)": self.gather_buffers.nbytes,
                 "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
                 "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes()}
 

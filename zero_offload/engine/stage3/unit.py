@@ -14,20 +14,23 @@ unit is gathered again for backward (same storage, re-filled) the saved view rea
 values, and while sharded that storage holds no bytes. Swapping `.data` keeps the nn.Parameter
 objects themselves, so tied weights stay one object and optimizers/hooks keyed by parameter work.
 
-State machine (owned here, transitions assert the state they leave):
+State machine (owned here, transitions raise unless in the state they leave):
     SHARDED --begin_fetch--> FETCHING --finish_gather--> GATHERED --release--> SHARDED
     FETCHING --abandon--> SHARDED   (a prefetch that turned out not to be needed)
-`fetch_local` (this rank's shard: tier -> staging buffer -> device slot, or straight from the
+`fetch_local` (this rank's shard: tier -> gather buffer -> device slot, or straight from the
 values of a write of that shard still in flight) may run on a background thread; `finish_gather`
 (the all-gather) always runs on the main thread, in execution order, so every rank issues the
 same collectives in the same order.
+
+A unit's part in the current pass (how many calls hold it, how far its backward has come:
+UnitBackward) is a UnitPass, which the runtime keeps beside the unit and renews each pass.
 """
 from __future__ import annotations
 
 import enum
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -63,11 +66,13 @@ class FlatGroup:
         return self.layout.padded_numel * self.flat.element_size()
 
 
-class StagingPool:
-    """Reusable transfer buffers per (numel, dtype), made by the store (aligned/pinned as it needs).
+class GatherBuffers:
+    """Reusable bounce buffers for a gather's local read (drive -> buffer -> device slot), per
+    (numel, dtype), made by the store (aligned/pinned as it needs). Not the optimizer's
+    staging ring (engine/step/staging_ring.py), which reads optimizer state ahead of the step.
 
-    Buffers return to the pool after each transfer, so the pool holds as many of a size as there
-    were transfers of that size in flight at once (two: the prefetch thread and the main thread).
+    Buffers return here after each transfer, so this holds as many of a size as there were
+    transfers of that size in flight at once (two: the prefetch thread and the main thread).
     """
 
     def __init__(self, store: Store) -> None:
@@ -95,10 +100,10 @@ class Unit:
     """Parameters gathered and released together; see the module docstring."""
 
     def __init__(self, index: int, name: str, named_params: list[tuple[str, nn.Parameter, torch.Size]], *,
-                 dtype: torch.dtype, device: torch.device, store: Store, staging: StagingPool) -> None:
+                 dtype: torch.dtype, device: torch.device, store: Store, staging: GatherBuffers) -> None:
         self.index, self.name = index, name
         self.dtype, self.device = dtype, torch.device(device)
-        self.store, self.staging = store, staging
+        self.store, self.buffers = store, staging  # `staging`: the keyword callers (and tests) pass
         self.world, self.rank = comm.world_size(), comm.rank()
         self.state = UnitState.SHARDED
         self.resident = False
@@ -167,12 +172,12 @@ class Unit:
         if self.store.view(key) is not None:  # resident tier: one (possibly host->device) copy
             self.store.read(key, slot).wait()
             return
-        buf = self.staging.acquire(slot.numel(), slot.dtype)  # nvme -> staging -> device
+        buf = self.buffers.acquire(slot.numel(), slot.dtype)  # nvme -> bounce buffer -> device
         try:
             self.store.read(key, buf).wait()
             copy_async(slot, buf).wait()
         finally:
-            self.staging.give_back(buf)
+            self.buffers.give_back(buf)
 
     def finish_gather(self) -> None:
         """FETCHING -> GATHERED: wait for the local fetch, all-gather, point the parameters at views."""
@@ -335,6 +340,63 @@ class Unit:
         with tracer().span(f"reduce-scatter {self.name}", "comm"):
             comm.reduce_scatter_(shard, full)
         return shard
+
+
+class UnitBackward(enum.Enum):
+    """How far one unit's backward has come in the current pass (UnitPass.backward)."""
+
+    WAITING = "waiting"  # not gathered for backward yet, not finished
+    HELD = "held"  # gathered again for its backward (its outputs' gradient arrived)
+    FINISHED_HELD = "finished, held"  # reduced; a frozen weight may still be needed, so still gathered
+    FINISHED = "finished"  # reduced (or had nothing to reduce) and not held for backward
+
+
+class PassStateError(RuntimeError):
+    """A stage-3 pass record was asked for a transition its state does not allow (our defect)."""
+
+
+@dataclass
+class UnitPass:
+    """One unit's state in the current pass, beside the unit (never on its parameters); the
+    runtime makes a fresh one per unit at each pass, so one reset clears them all.
+
+    Backward: WAITING --hold--> HELD --finish--> FINISHED_HELD --let_go--> FINISHED, and
+    WAITING --finish--> FINISHED (reduced at end_backward, or a frozen unit's inputs' gradient,
+    without having been gathered again). A wrong transition raises PassStateError."""
+
+    unit: Unit
+    refs: int = 0  # calls in progress that acquired it, plus one while held for backward
+    backward: UnitBackward = UnitBackward.WAITING
+    recomputing: bool = False  # acquired by a checkpoint's recomputation, released at its exit
+    reported: set[int] = field(default_factory=set)  # id() of trainable parameters whose gradient came
+    inputs_pending: int = 0  # watched uses whose inputs' gradient has not come yet
+    watched: bool = False  # some use of it this pass is watched (hooks.InputWatch)
+    unwatched: int = 0  # uses made without grad in forward, to watch when recomputed in backward
+
+    @property
+    def held(self) -> bool:
+        """Gathered for its backward (it counts one reference)."""
+        return self.backward in (UnitBackward.HELD, UnitBackward.FINISHED_HELD)
+
+    @property
+    def finished(self) -> bool:
+        return self.backward in (UnitBackward.FINISHED_HELD, UnitBackward.FINISHED)
+
+    def _move(self, transition: str, allowed: tuple[UnitBackward, ...], to: UnitBackward) -> None:
+        if self.backward not in allowed:
+            raise PassStateError(f"stage 3: unit '{self.unit.name}': {transition} in backward state "
+                                 f"'{self.backward.value}' (internal error)")
+        self.backward = to
+
+    def hold(self) -> None:
+        self._move("hold", (UnitBackward.WAITING,), UnitBackward.HELD)
+
+    def finish(self) -> None:
+        to = UnitBackward.FINISHED_HELD if self.backward is UnitBackward.HELD else UnitBackward.FINISHED
+        self._move("finish", (UnitBackward.WAITING, UnitBackward.HELD), to)
+
+    def let_go(self) -> None:
+        self._move("let go", (UnitBackward.FINISHED_HELD,), UnitBackward.FINISHED)
 
 
 def _wait_through_interrupts(wait: Callable[[], None]) -> None:
