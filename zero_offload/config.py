@@ -25,9 +25,10 @@ from typing import Any, Callable, Mapping
 from zero_offload.tiers import TIERS, tier
 
 from zero_offload.optim.adamw import CONFIG_BOUNDS, AdamWHyperparams
+from zero_offload.optim.registry import SPECS
 from zero_offload.optim.spec import Bound
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adam")
+OPTIMIZERS = tuple(SPECS)  # the names optim/registry.py knows ("adamw", "adam")
 IO_BACKENDS = ("auto", "native", "aiofiles")  # "auto": native when the library loaded, else aiofiles
 ALIGN_BYTES = 4096  # O_DIRECT needs buffer address, file offset and length on this boundary
 MiB = 1 << 20
