@@ -263,23 +263,23 @@ def test_sub_shard_step_counts_survive_a_save(tmp_path: object) -> None:
 
 
 def _save_fails_on_one_rank(rank: int, world: int, tmp: str) -> None:
-    from zero_offload.engine.state import checkpoint
+    from zero_offload.engine.state import files
 
     engine = _engine()
     _train(engine, range(2))
     engine.save_checkpoint(os.path.join(tmp, "c"))
     saved = _weights(engine)
     _train(engine, range(2, 3))
-    real = checkpoint._save_tensors
+    real = files.save_tensors
 
     def disk_full(tensors: dict, path: str) -> dict:
         if rank == 1 and ".bucket" in path:
             raise OSError(28, "No space left on device")
         return real(tensors, path)
-    checkpoint._save_tensors = disk_full
+    files.save_tensors = disk_full
     with pytest.raises((CheckpointError, OSError), match="rank 1 could not write its part|No space left"):
         engine.save_checkpoint(os.path.join(tmp, "c"))
-    checkpoint._save_tensors = real
+    files.save_tensors = real
     engine.load_checkpoint(os.path.join(tmp, "c"))  # the previous checkpoint, whole
     assert _same(_weights(engine), saved)
     engine.close()

@@ -20,7 +20,7 @@ from torch import nn
 
 import zero_offload
 from zero_offload.config import Config
-from zero_offload.engine.state import checkpoint
+from zero_offload.engine.state import checkpoint, files
 from zero_offload.engine.step import pipeline as step_mod
 from zero_offload.engine.engine import EngineStateError
 from zero_offload.engine.step.pipeline import updated_buffer
@@ -422,7 +422,7 @@ def test_a_save_to_a_full_disk_names_the_file_and_leaves_the_old_checkpoint(tmp_
     def full_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         f = open(path, mode, *args, **kwargs)
         return FullDisk(f) if "w" in mode else f
-    monkeypatch.setattr(checkpoint, "open", full_open, raising=False)
+    monkeypatch.setattr(files, "open", full_open, raising=False)
     real_save = torch.save
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from typing import Any, Callable
 
 from zero_offload.config import PRECISIONS
+from zero_offload.engine.state import files
 
 CRC_FILE = "manifest.crc32"
 
@@ -26,10 +26,9 @@ class ManifestError(ValueError):
 
 
 def write_crc(root: str, raw: bytes) -> None:
-    with open(os.path.join(root, CRC_FILE), "w") as f:
-        f.write(str(zlib.crc32(raw)))
-        f.flush()
-        os.fsync(f.fileno())
+    """manifest.crc32 for the manifest's bytes `raw`, written durably (files.py's one writer)."""
+    with files.durable(os.path.join(root, CRC_FILE), "w") as f:
+        f.write(str(files.checksum_of(files.Kind.JSON, data=raw)))
 
 
 def saved_crc(root: str) -> int | None:
