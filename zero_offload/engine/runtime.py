@@ -6,7 +6,9 @@ The facade (engine.py, memory.py) and the state code (state/checkpoint.py, state
 runtime only through `Runtime`, and the Engine's own state only through `TrainingState` and
 `ModelView`, so none of them imports the Engine or a runtime class, and none asks which stage runs.
 The memory report's shared row helpers live here too: each runtime names its bytes in them, and
-memory.py assembles the report above both.
+memory.py assembles the report above both. So does what both runtimes do alike: `RuntimeBase`
+(the members that concern only the shard optimizer and the accumulator), `consolidate` (the
+whole model's state_dict from `flat_sources`), `pieces_of` and `close_in_order`.
 
 A seam module: it imports only torch, the standard library, what lies below the engine and
 engine/step, and the runtimes and the modules above them import it.
@@ -14,11 +16,12 @@ engine/step, and the runtimes and the modules above them import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
+from zero_offload import comm
 from zero_offload.engine.step.accumulate import Accumulator
 from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
@@ -172,6 +175,105 @@ class Runtime(Protocol):
 
     def close(self) -> None:
         """Stop the runtime's threads and remove its files."""
+
+
+class RuntimeBase:
+    """The Runtime members both runtimes have alike, as they concern only the shard optimizer
+    and the gradient accumulator (each runtime sets both in its own __init__); a mixin, not a
+    Runtime: the Protocol stays the one description of a runtime."""
+
+    shard_optimizer: ShardOptimizer
+    accumulator: Accumulator
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shard_optimizer.optimizer
+
+    def begin_forward(self, boundary: bool) -> None:
+        """Called by the Engine before a training forward: on the boundary the optimizer may start
+        reading its first shards' state now, under the forward."""
+        if boundary:
+            self.shard_optimizer.prefetch()
+
+    def standing(self) -> Standing:
+        return standing_of(self.shard_optimizer)
+
+    def state_retained(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """retained()'s rows for the optimizer state and the gradients (the weights are each
+        runtime's own)."""
+        so = self.shard_optimizer
+        return {("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
+                **grads_by_tier([so.grad_store, self.accumulator.store])}
+
+    def state_extras(self, layouts: dict[str, "FlatLayout"]) -> dict[str, float]:
+        """extras()'s rows for the optimizer state and the gradients held, over the trainable flat
+        buffers' `layouts` by key (padding, NVMe slot rounding, the staging ring)."""
+        so, acc = self.shard_optimizer, self.accumulator
+        held, summed = so.held_grads(), acc.held()
+        grad_bytes = so.grad_store.bytes_retained() + acc.store.bytes_retained()
+        return {"padding (optimizer state)": padding({k: so.spec.state_bytes(g.shard_numel) for k, g in layouts.items()},
+                                                     layouts),
+                "padding (gradients held)": padding(held, layouts) + padding(summed, layouts),
+                "NVMe slot rounding (gradients)": grads_slot_rounding(
+                    grad_bytes, sum(held.values()) + sum(summed.values()), so.grad_store.addressable),
+                "NVMe slot rounding (optimizer state)": so.slot_rounding_bytes(),
+                "staging buffers": so.bytes_retained().get("staging", 0)}
+
+
+def pieces_of(names: Sequence[str], layout: "FlatLayout", rank: int) -> list[tuple[str, int, int, int]]:
+    """A flat buffer's entry of shard_map (or frozen_map): rank `rank`'s shard, piece by piece."""
+    return [(names[pc.index], pc.param_offset, pc.shard_offset, pc.numel) for pc in layout.pieces(rank)]
+
+
+def consolidate(module: nn.Module, sources: Sequence[FlatSource], device: torch.device, *,
+                keep: bool, orig_dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """The model's state_dict with whole values, on the host (a collective: every rank calls it).
+    Each source's parameters come whole in fp32 from its shards (all-gathered when sharded), the
+    rest (buffers, parameters outside the runtime's flat buffers) from the module. With
+    `orig_dtypes`, all but the trainable parameters take the model's own dtypes. A rank that
+    does not `keep` the result takes part in the all-gathers only and gets {}."""
+    whole = _whole_values(sources, device, keep)
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        value = whole.get(id(v))
+        if value is not None and (orig_dtypes is None or v.requires_grad):
+            out[k] = value  # fp32, a copy of ours (tied keys share it, as module.state_dict's do)
+            continue
+        src = v.detach() if value is None else value
+        moved = src.to("cpu", src.dtype if orig_dtypes is None else orig_dtypes.get(k, src.dtype))
+        out[k] = moved.clone() if value is None else moved  # never the module's own tensor
+    return out
+
+
+def _whole_values(sources: Sequence[FlatSource], device: torch.device, keep: bool) -> dict[int, torch.Tensor]:
+    """id(parameter) -> its whole fp32 value on the host, from each source's shards in turn."""
+    whole: dict[int, torch.Tensor] = {}
+    for s in sources:
+        if s.layout.world == 1 and not keep:
+            continue  # the shard is the whole buffer (stage 0, or D = 1): no collective to take part in
+        full = s.read().float()
+        if s.layout.world > 1:
+            full, shard = torch.empty(s.layout.padded_numel, dtype=torch.float32, device=device), full
+            comm.all_gather_(full, shard.to(device))
+        full = full.cpu()
+        for p, view in zip(s.params, s.layout.views(full)):
+            whole[id(p)] = view.clone()
+    return whole
+
+
+def close_in_order(steps: Sequence[Callable[[], None]], stores: Sequence[Any]) -> None:
+    """A runtime's close: `steps` in order (threads stop, writes end), then every store of
+    `stores` that was made (None: construction failed before it), even when a step raised: the
+    files go even when a last write failed."""
+    try:
+        for step in steps:
+            step()
+    finally:
+        for store in stores:
+            if store is not None:
+                store.close()
 
 
 # ---- the memory report's rows the runtimes fill (memory.py assembles the report) ----

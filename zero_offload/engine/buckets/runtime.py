@@ -21,15 +21,13 @@ from zero_offload.engine.step.accumulate import Accumulator
 from zero_offload.engine.buckets.grads import Bucket, GradReducer, make_buckets
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.model.attributes import check_bindings, param_bindings
-from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, Standing, grads_by_tier, grads_slot_rounding,
-                                          padding, standing_of)
+from zero_offload.engine.runtime import FROZEN_ROW, FlatSource, RuntimeBase, close_in_order, consolidate, pieces_of
 from zero_offload.engine.step.pipeline import hands_over_master
-from zero_offload.store import make_store
 
 UPDATED_ROW = "updated weights awaiting step()"  # host copies are pinned where CUDA is
 
 
-class BucketRuntime:
+class BucketRuntime(RuntimeBase):
     """ZeRO stages 0-2: full compute copy on every rank, optimizer state (and grads) partitioned."""
 
     def __init__(self, model: torch.nn.Module, config: Config, device: torch.device) -> None:
@@ -57,14 +55,11 @@ class BucketRuntime:
     def _build(self, config: Config, device: torch.device, opt_bytes: int) -> None:
         self.owner = 0 if self.replicated else self.rank
         for b in self.buckets:
-            master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=device)
-            b.layout.shard_from([p.detach() for p in b.params], self.owner, master)
-            self.shard_optimizer.add_shard(b.key, master)
+            self.shard_optimizer.add_shard(b.key, self._shard_of(b, torch.float32, self.owner))
         accumulates = config.gradient_accumulation_steps > 1  # else nothing is ever held there: a token file
-        self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
-                                                  device=device, rank=self.rank,
-                                                  capacity_bytes=opt_bytes + (1 << 20) if accumulates else (1 << 20)),
-                                       {b.key: len(b.params) for b in self.buckets})
+        self.accumulator = Accumulator.on_grads_tier(config, device, self.rank,
+                                                     {b.key: len(b.params) for b in self.buckets},
+                                                     opt_bytes + (1 << 20) if accumulates else (1 << 20))
         scale = 1.0 / (self.world * config.gradient_accumulation_steps)
         self.reducer = GradReducer(self.buckets, partitioned=not self.replicated,
                                    accumulate_shard=config.stage == 2, accumulator=self.accumulator,
@@ -81,13 +76,10 @@ class BucketRuntime:
         # steps is the user's (load_state_dict, an in-place edit), see _take_edits.
         self._stamps = {b.index: _stamps(b) for b in self.buckets}
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.shard_optimizer.optimizer
-
-    def begin_forward(self, boundary: bool) -> None:
-        if boundary:
-            self.shard_optimizer.prefetch()
+    def _shard_of(self, b: Bucket, dtype: torch.dtype, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of bucket `b` as its parameters hold it now, in `dtype`."""
+        out = torch.empty(b.layout.shard_numel, dtype=dtype, device=self.device)
+        return b.layout.shard_from([p.detach() for p in b.params], rank, out)
 
     def begin_backward(self, boundary: bool) -> None:
         check_bindings(self.bindings)  # a parameter replaced, frozen or unfrozen since initialize
@@ -115,11 +107,7 @@ class BucketRuntime:
                 raise RuntimeError(f"engine.backward: parameter '{name}' was replaced by a tensor of shape "
                                    f"{tuple(p.shape)}, {p.dtype} on {p.device} after initialize; the engine holds "
                                    f"{tuple(shape)}, {self.dtype} on {self.device}")
-        master = torch.empty(b.layout.shard_numel, dtype=torch.float32, device=self.device)
-        b.layout.shard_from([p.detach() for p in b.params], self.owner, master)
-        parts = self.shard_optimizer.read_state(b.key)
-        parts["master"] = master
-        self.shard_optimizer.write_state(b.key, parts)
+        self.shard_optimizer.take_edit(b.key, self._shard_of(b, torch.float32, self.owner))
 
     def end_backward(self) -> None:
         self.reducer.end()
@@ -140,9 +128,6 @@ class BucketRuntime:
 
     def refuse_compiled(self, module: nn.Module) -> None:
         """Nothing to refuse: stages 0-2 run a compiled model (their hooks are on gradients)."""
-
-    def standing(self) -> Standing:
-        return standing_of(self.shard_optimizer)
 
     def gathers_updates(self) -> bool:
         """Stages 1-2 with D > 1: updated shards reach the compute copy only by the all-gathers
@@ -209,8 +194,7 @@ class BucketRuntime:
         for b in self.buckets:
             shard, owned = self._to_gather.get(b.key, (None, True))
             if shard is None:
-                out = torch.empty(b.layout.shard_numel, dtype=self.dtype, device=self.device)
-                shard = b.layout.shard_from([p.detach() for p in b.params], self.rank, out)
+                shard = self._shard_of(b, self.dtype, self.rank)
             self._install(b, shard, owned)
 
     def _install(self, b: Bucket, shard: torch.Tensor, owned: bool = False) -> None:
@@ -245,8 +229,7 @@ class BucketRuntime:
         self._stamp_all()
 
     def shard_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
-        return {b.key: [(b.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel)
-                        for pc in b.layout.pieces(self.owner)] for b in self.buckets}
+        return {b.key: pieces_of(b.names, b.layout, self.owner) for b in self.buckets}
 
     def frozen_map(self) -> dict[str, list[tuple[str, int, int, int]]]:
         """No frozen state outside the module at stages 0-2: frozen parameters stay in the model
@@ -277,27 +260,8 @@ class BucketRuntime:
 
     def consolidated(self, orig_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """Full fp32 weights on rank 0 (buffers and frozen parameters in their original dtype);
-        {} on other ranks. A collective at stages 1-2 (the masters are summed over ranks)."""
-        full = {name: torch.zeros(torch.Size(shape).numel(), dtype=torch.float32)
-                for name, shape in self.param_shapes().items()}
-        if self.rank == 0 or not self.replicated:
-            for key, pieces in self.shard_map().items():
-                master = self.shard_optimizer.master(key)
-                for name, poff, soff, n in pieces:
-                    full[name][poff:poff + n].copy_(master[soff:soff + n])
-        if not self.replicated:
-            for t in full.values():
-                comm.all_reduce_(t)
-        if self.rank != 0:
-            return {}
-        by_id = {id(p): n for n, p in self.module.named_parameters() if p.requires_grad}
-        out = {}
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            if id(v) in by_id:
-                out[k] = full[by_id[id(v)]].view(v.shape).clone()
-            else:
-                out[k] = v.detach().to("cpu", orig_dtypes[k]).clone()
-        return out
+        {} on other ranks. A collective at stages 1-2 (each bucket's master is all-gathered)."""
+        return consolidate(self.module, self.flat_sources(), self.device, keep=self.rank == 0, orig_dtypes=orig_dtypes)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for b in self.buckets for n, p in zip(b.names, b.params)}
@@ -308,32 +272,17 @@ class BucketRuntime:
     def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(bytes held now, high-water mark) of the engine's own allocations, by (group, tier)."""
         weights = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
-        so = self.shard_optimizer
-        grads = [so.grad_store, self.accumulator.store]
-        return {("weights", self.config.tiers.params): (weights, weights),
-                ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
-                **grads_by_tier(grads)}
+        return {("weights", self.config.tiers.params): (weights, weights), **self.state_retained()}
 
-    def extras(self) -> dict[str, int]:
+    def extras(self) -> dict[str, float]:
         """Bytes outside the ledger's groups, named (see memory.py)."""
-        so = self.shard_optimizer
-        layouts = {b.key: b.layout for b in self.buckets}
-        shard_elems = sum(b.layout.shard_numel for b in self.buckets)
         elem = torch.empty((), dtype=self.dtype).element_size()
         # Every updated shard waits at step() in a buffer of its own, unless the master is it.
-        copies = not hands_over_master(so.store.addressable, self.dtype)
-        held, acc = so.held_grads(), self.accumulator.held()
-        grad_bytes = so.grad_store.bytes_retained() + self.accumulator.store.bytes_retained()
-        out = {"padding (optimizer state)": padding({b.key: so.spec.state_bytes(b.layout.shard_numel) for b in self.buckets}, layouts),
-               "padding (gradients held)": padding(held, layouts) + padding(acc, layouts),
-               "NVMe slot rounding (gradients)": grads_slot_rounding(grad_bytes, sum(held.values()) + sum(acc.values()),
-                                                                     so.grad_store.addressable),
-               "NVMe slot rounding (optimizer state)": so.slot_rounding_bytes(),
-               "staging buffers": so.bytes_retained().get("staging", 0),
-               "gradient bucket in flight (largest)": max(b.layout.padded_numel for b in self.buckets) * elem,
-               UPDATED_ROW: shard_elems * elem if copies else 0,
-               FROZEN_ROW: sum(p.numel() * p.element_size() for _, p in self.frozen)}
-        return out
+        copies = not hands_over_master(self.shard_optimizer.store.addressable, self.dtype)
+        return {**self.state_extras({b.key: b.layout for b in self.buckets}),
+                "gradient bucket in flight (largest)": max(b.layout.padded_numel for b in self.buckets) * elem,
+                UPDATED_ROW: sum(b.layout.shard_numel for b in self.buckets) * elem if copies else 0,
+                FROZEN_ROW: sum(p.numel() * p.element_size() for _, p in self.frozen)}
 
     def limits(self) -> dict[str, int]:
         """Configured bounds shown apart in the memory report: none at stages 0-2."""
@@ -342,11 +291,7 @@ class BucketRuntime:
     def close(self) -> None:
         if self.reducer is not None:
             self.reducer.remove()
-        try:
-            self.shard_optimizer.close()
-        finally:  # the files go even when a last write failed
-            if self.accumulator is not None:
-                self.accumulator.close()
+        close_in_order([self.shard_optimizer.close], [self.accumulator])
 
 
 def _stamps(b: Bucket) -> list[tuple[int, int]]:

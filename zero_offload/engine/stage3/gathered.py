@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from zero_offload import comm
-from zero_offload.engine.stage3.prefetch import Prefetcher, check_same_unit
-from zero_offload.engine.stage3.unit import FlatGroup, Unit, UnitState
+from zero_offload.engine.stage3.prefetch import Prefetcher
+from zero_offload.engine.stage3.unit import FlatGroup, Unit
 from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
 
@@ -84,7 +84,7 @@ def gathered(rt: Gathers, params: list[nn.Parameter], modify: bool) -> Iterator[
     try:
         for u in units:
             if not u.resident:
-                _gather(rt, u)
+                rt.prefetcher.gather_apart(u)
                 taken.append(u)
         yield
         if modify:
@@ -93,7 +93,7 @@ def gathered(rt: Gathers, params: list[nn.Parameter], modify: bool) -> Iterator[
     finally:
         rt.end_gathered()
         for u in taken:
-            _release(rt, u)
+            rt.prefetcher.let_go(u)
 
 
 def _check_fits(rt: Gathers, units: list[Unit]) -> None:
@@ -105,28 +105,6 @@ def _check_fits(rt: Gathers, units: list[Unit]) -> None:
                            "parameters or modules at a time")
 
 
-def _gather(rt: Gathers, u: Unit) -> None:
-    check_same_unit(u)  # every rank gathers the same units (a collective each)
-    rt.prefetcher.budget.take(u.nbytes)
-    try:
-        u.begin_fetch()
-        u.fetch_local()
-        u.finish_gather()
-    except BaseException:
-        _release(rt, u)
-        raise
-
-
-def _release(rt: Gathers, u: Unit) -> None:
-    try:
-        if u.state is UnitState.GATHERED:
-            u.release()
-        elif u.state is UnitState.FETCHING:
-            u.abandon()
-    finally:
-        rt.prefetcher.budget.give(u.nbytes)
-
-
 def _write_back(rt: Gathers, u: Unit) -> None:
     """Rank 0's values of every group of `u` become every rank's shards (a resident unit, which
     stays gathered, has every rank's slot from the broadcast already)."""
@@ -136,9 +114,7 @@ def _write_back(rt: Gathers, u: Unit) -> None:
         lo, hi = g.layout.shard_range(rt.rank)
         shard = g.flat[lo:hi].clone()
         if g.trainable:
-            parts = rt.shard_optimizer.read_state(g.key)
-            parts["master"] = shard.float()
-            rt.shard_optimizer.write_state(g.key, parts)
+            rt.shard_optimizer.take_edit(g.key, shard)
         u.write_shard(g.key, shard)
         u.settle_write(g.key)
 

@@ -221,7 +221,7 @@ class Prefetcher:
         held, self.prefetched = [u for u in self.units if not u.resident and u.state is not UnitState.SHARDED], []
         for u in held:  # every unit, even after one's read ahead failed; the first error after
             try:
-                self._let_go(u)
+                self.let_go(u)
             except BaseException as exc:
                 first = first or exc
         if first is not None:
@@ -253,8 +253,7 @@ class Prefetcher:
         self.budget.take(unit.nbytes)
         self.on_demand += 1
         self.fetches[unit.index] += 1
-        unit.begin_fetch()
-        unit.fetch_local()
+        unit.fetch()
 
     def _prefetch_ahead(self) -> None:
         for index in self.schedule.upcoming(self.depth, self._held):
@@ -269,17 +268,30 @@ class Prefetcher:
             u.set_pending(self._pool.submit(u.fetch_local).result)
             self.prefetched.append(u)
 
+    def gather_apart(self, unit: Unit) -> None:
+        """`unit` GATHERED now outside any pass (engine.gathered; the caller made room for it):
+        its bytes count in the budget, the schedule is not told. Every rank gathers the same
+        units (a collective each); after a failure the unit is SHARDED, its bytes back."""
+        check_same_unit(unit)
+        self.budget.take(unit.nbytes)
+        try:
+            unit.gather()
+        except BaseException:
+            self.let_go(unit)
+            raise
+
     def _abandon(self, unit: Unit) -> None:
         self.prefetched.remove(unit)
-        self._let_go(unit)
+        self.let_go(unit)
 
-    def _let_go(self, unit: Unit) -> None:
+    def let_go(self, unit: Unit) -> None:
         """GATHERED or FETCHING -> SHARDED and its bytes back, even when a read ahead failed
-        (the unit is SHARDED then too: its error is raised after the bookkeeping)."""
+        (the unit is SHARDED then too: its error is raised after the bookkeeping), or when a
+        gather failed before the unit left SHARDED."""
         try:
             if unit.state is UnitState.GATHERED:
                 unit.release()
-            else:
+            elif unit.state is UnitState.FETCHING:
                 unit.abandon()
         finally:
             self.budget.give(unit.nbytes)

@@ -52,8 +52,8 @@ from zero_offload.engine.stage3.prefetch import BudgetExceeded, Prefetcher, chec
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.model.attributes import check_bindings, param_bindings
 from zero_offload.engine.phase import Phase, PhaseMachine, PhaseView
-from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, Standing, grads_by_tier, grads_slot_rounding,
-                                          padding, standing_of)
+from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, RuntimeBase, close_in_order, consolidate, padding,
+                                          pieces_of)
 from zero_offload.engine.stage3.unit import FlatGroup, GatherBuffers, PassStateError, Unit, UnitPass, UnitState
 from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
@@ -92,7 +92,7 @@ def _has_frozen(u: Unit) -> bool:
     return any(not g.trainable for g in u.groups)
 
 
-class Stage3Runtime:
+class Stage3Runtime(RuntimeBase):
     """Stage 3 behind the Engine's runtime interface; see the module docstring."""
 
     replicated = False
@@ -157,11 +157,9 @@ class Stage3Runtime:
                                          named=bool(config.stage3.unit_modules))
             # After the model's post-hook, and also when its forward raises: the read watch ends there.
             self._handles.append(model.register_forward_hook(self._forward_done, always_call=True))
-            self.accumulator = Accumulator(make_store(config.tiers.grads, "gradient-accumulation", config,
-                                                      device=self.device, rank=self.rank,
-                                                      capacity_bytes=(1 << 20)),  # NVMe files grow on demand
-                                           {u.trainable.key: len(u.trainable.params) for u in self.units
-                                            if u.trainable is not None})
+            self.accumulator = Accumulator.on_grads_tier(config, self.device, self.rank,
+                                                         {g.key: len(g.params) for _, g in self._trainable()},
+                                                         1 << 20)  # NVMe files grow on demand
             self.stage = PassStage.CLOSED
             self.boundary = True  # begin_backward's: whether this backward ends an accumulation cycle
             self.gathering = False  # inside engine.gathered (gathered.py)
@@ -285,9 +283,7 @@ class Stage3Runtime:
     def _gather_resident(self) -> None:
         for u in self.units:
             if u.resident:
-                u.begin_fetch()
-                u.fetch_local()
-                u.finish_gather()
+                u.gather()
 
     # ---- parameters read outside their unit's forward ----
     def _init_read_watch(self, model: nn.Module) -> None:
@@ -561,12 +557,6 @@ class Stage3Runtime:
         self.prefetcher.begin_pass()
         self._to_stage((PassStage.CLOSED, PassStage.FORWARD), PassStage.FORWARD)
 
-    def begin_forward(self, boundary: bool) -> None:
-        """Called by the Engine before a training forward: on the boundary the optimizer may start
-        reading its first shards' state now, under the forward."""
-        if boundary:
-            self.shard_optimizer.prefetch()
-
     def begin_backward(self, boundary: bool) -> None:
         """Checks first (nothing is reduced yet): the parameters and which of them train are
         fixed at initialize. A stale .grad (held before initialize, or left by a refused
@@ -664,10 +654,6 @@ class Stage3Runtime:
             self._seg = None
 
     # ---- step ----
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.shard_optimizer.optimizer
-
     def step(self) -> bool:
         with tracer().span("optimizer step", "optimizer"):
             applied = self.shard_optimizer.finish_step(defer_interrupt=True)
@@ -729,9 +715,6 @@ class Stage3Runtime:
         unit, _ = self.by_key[key]
         return unit.read_shard(key)
 
-    def standing(self) -> Standing:
-        return standing_of(self.shard_optimizer)
-
     def gathers_updates(self) -> bool:
         """No: each updated shard streams to the params tier as it is stepped."""
         return False
@@ -753,7 +736,7 @@ class Stage3Runtime:
                 for n, s in zip(g.names, g.layout.shapes)}
 
     def _pieces(self, g: FlatGroup) -> list[tuple[str, int, int, int]]:
-        return [(g.names[pc.index], pc.param_offset, pc.shard_offset, pc.numel) for pc in g.layout.pieces(self.rank)]
+        return pieces_of(g.names, g.layout, self.rank)
 
     def shards_frozen(self) -> bool:
         """Frozen parameters inside units live in their units' shards (frozen_map)."""
@@ -773,11 +756,7 @@ class Stage3Runtime:
     def consolidated(self, orig_dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """consolidated_state_dict on rank 0 (every rank gathers), frozen values and buffers in
         the model's own dtypes; {} elsewhere."""
-        full = self.consolidated_state_dict()  # a collective: every rank gathers
-        if self.rank != 0:
-            return {}
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v if k in trainable else v.to(orig_dtypes.get(k, v.dtype)) for k, v in full.items()}
+        return consolidate(self.model, self.flat_sources(), self.device, keep=self.rank == 0, orig_dtypes=orig_dtypes)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(s) for _, g in self._trainable() for n, s in zip(g.names, g.layout.shapes)}
@@ -788,40 +767,28 @@ class Stage3Runtime:
     def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(bytes held now, high-water mark) by (group, tier): the params tier holds the compute-copy
         shards; gathered units are reported by extras()."""
-        so, ps = self.shard_optimizer, self.params_store
-        grads = [so.grad_store, self.accumulator.store]
+        ps = self.params_store
         frozen = self._frozen_shard_bytes()  # not in the ledger's weights: named in extras()
         return {("weights", self.config.tiers.params): (ps.bytes_retained() - frozen, ps.peak_bytes() - frozen),
-                ("optimizer", so.store.tier): (so.store.bytes_retained(), so.store.peak_bytes()),
-                **grads_by_tier(grads)}
+                **self.state_retained()}
 
     def _frozen_shard_bytes(self) -> int:
         return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups if not g.trainable)
 
-    def _padding(self) -> dict[str, float]:
-        """Each state group's padding (see engine.runtime.padding) and the params tier's slot rounding."""
-        so, trainable = self.shard_optimizer, [g for _, g in self._trainable()]
-        groups = [g for u in self.units for g in u.groups]
-        layouts, elem = {g.key: g.layout for g in groups}, {g.key: g.flat.element_size() for g in groups}
-        shards = sum(g.layout.shard_numel * elem[g.key] for g in groups)
-        rounding = self.params_store.bytes_retained() - shards if not self.params_store.addressable else 0
-        held, acc = so.held_grads(), self.accumulator.held()
-        grad_bytes = so.grad_store.bytes_retained() + self.accumulator.store.bytes_retained()
-        return {"padding (weights)": padding({g.key: g.layout.shard_numel * elem[g.key] for g in trainable}, layouts),
-                "padding (gradients held)": padding(held, layouts) + padding(acc, layouts),
-                "NVMe slot rounding (gradients)": grads_slot_rounding(
-                    grad_bytes, sum(held.values()) + sum(acc.values()), so.grad_store.addressable),
-                "padding (optimizer state)": padding({g.key: so.spec.state_bytes(g.layout.shard_numel) for g in trainable}, layouts),
-                "NVMe slot rounding (params)": rounding}
-
     def extras(self) -> dict[str, float]:
-        s = self.stats()
-        return {**self._padding(), FROZEN_ROW: self._frozen_shard_bytes(),
+        """The shard optimizer's and the gradients' rows (RuntimeBase.state_extras), then the
+        compute copy's: its padding, slot rounding, frozen shards, gathered units, staging."""
+        s, trainable = self.stats(), [g for _, g in self._trainable()]
+        groups = [g for u in self.units for g in u.groups]
+        shards = sum(g.layout.shard_numel * g.flat.element_size() for g in groups)
+        rounding = self.params_store.bytes_retained() - shards if not self.params_store.addressable else 0
+        return {**self.state_extras({g.key: g.layout for g in trainable}),
+                "padding (weights)": padding({g.key: g.layout.shard_numel * g.flat.element_size() for g in trainable},
+                                             {g.key: g.layout for g in groups}),
+                "NVMe slot rounding (params)": rounding, FROZEN_ROW: self._frozen_shard_bytes(),
                 "gathered units (peak, stage 3)": s["peak_gathered_bytes"],
                 "resident units (stage 3)": s["resident_bytes"],
-                "staging buffers (params)": self.gather_buffers.nbytes,
-                "staging buffers": self.shard_optimizer.bytes_retained().get("staging", 0),
-                "NVMe slot rounding (optimizer state)": self.shard_optimizer.slot_rounding_bytes()}
+                "staging buffers (params)": self.gather_buffers.nbytes}
 
     def limits(self) -> dict[str, int]:
         """Configured bounds (not memory held), shown apart in the memory report."""
@@ -838,17 +805,7 @@ class Stage3Runtime:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with full values on every rank: fp32 masters for trainable
         parameters, the compute copy for frozen ones, buffers as they are. Collective."""
-        by_id: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            for g in u.groups:
-                shard = self.shard_optimizer.master(g.key) if g.trainable else u.read_shard(g.key).float()
-                full = torch.empty(g.layout.padded_numel, dtype=torch.float32, device=self.device)
-                comm.all_gather_(full, shard.to(self.device))
-                full = full.cpu()
-                for p, view in zip(g.params, g.layout.views(full)):
-                    by_id[id(p)] = view.clone()
-        return {k: by_id[id(v)] if id(v) in by_id else v.detach().cpu().clone()
-                for k, v in self.model.state_dict(keep_vars=True).items()}
+        return consolidate(self.model, self.flat_sources(), self.device, keep=True)
 
     def close(self) -> None:
         """Also what a failed __init__ made (the parts it did not reach are None)."""
@@ -858,15 +815,11 @@ class Stage3Runtime:
             h.remove()
         if getattr(self, "_read_watch", None) is not None:
             self._stop_read_watch()
-        try:
-            if self.prefetcher is not None:
-                self.prefetcher.close()
-            if self.shard_optimizer is not None:
-                self.shard_optimizer.close()
-                for u in self.units:
-                    u.settle_writes()
-        finally:  # the files go even when a last write failed
-            for store in (self.accumulator, self.params_store):
-                if store is not None:
-                    store.close()
+        steps = [self.prefetcher.close] if self.prefetcher is not None else []
+        if self.shard_optimizer is not None:
+            steps += [self.shard_optimizer.close, self._settle_writes]
+        close_in_order(steps, [self.accumulator, self.params_store])
 
+    def _settle_writes(self) -> None:
+        for u in self.units:
+            u.settle_writes()

@@ -20,7 +20,8 @@ State machine (owned here, transitions raise unless in the state they leave):
 `fetch_local` (this rank's shard: tier -> gather buffer -> device slot, or straight from the
 values of a write of that shard still in flight) may run on a background thread; `finish_gather`
 (the all-gather) always runs on the main thread, in execution order, so every rank issues the
-same collectives in the same order.
+same collectives in the same order. `gather` is the whole of it now, on the calling thread (a
+resident unit, engine.gathered); the prefetcher fetches with `fetch` and all-gathers later.
 
 A unit's part in the current pass (how many calls hold it, how far its backward has come:
 UnitBackward) is a UnitPass, which the runtime keeps beside the unit and renews each pass.
@@ -149,6 +150,16 @@ class Unit:
         for g in self.groups:
             g.flat.untyped_storage().resize_(g.layout.padded_numel * g.flat.element_size())
         self.state = UnitState.FETCHING
+
+    def fetch(self) -> None:
+        """SHARDED -> FETCHING with this rank's shard in its slot, read on this thread."""
+        self.begin_fetch()
+        self.fetch_local()
+
+    def gather(self) -> None:
+        """SHARDED -> GATHERED now, on this thread (a collective: every rank gathers the unit)."""
+        self.fetch()
+        self.finish_gather()
 
     def set_pending(self, wait: Callable[[], None]) -> None:
         """`wait()` finishes the background fetch_local of this unit (re-raising its error)."""

@@ -24,7 +24,9 @@ from typing import Sequence
 import torch
 
 from zero_offload import comm
+from zero_offload.config import Config
 from zero_offload.partition import FlatLayout
+from zero_offload.store import make_store
 from zero_offload.store.base import Store
 
 
@@ -49,6 +51,15 @@ class Accumulator:
             self._offsets[key] = self._flags
             self._flags += n
         self._starts = list(self._offsets.values())
+
+    @classmethod
+    def on_grads_tier(cls, config: Config, device: torch.device, rank: int, counts: dict[str, int],
+                      capacity_bytes: int) -> "Accumulator":
+        """The accumulator a runtime keeps: its partial sums in a store of the grads tier (both
+        runtimes make theirs alike; only the capacity they plan for differs)."""
+        store = make_store(config.tiers.grads, "gradient-accumulation", config, device=device, rank=rank,
+                           capacity_bytes=capacity_bytes)
+        return cls(store, counts)
 
     def add(self, key: str, t: torch.Tensor, boundary: bool) -> torch.Tensor | None:
         """Add `t` (handed over: modified in place) to key's partial sum. On the boundary return

@@ -527,6 +527,15 @@ class ShardOptimizer:
             if self.pipeline.unsure == p.key:  # its state is known again
                 self.pipeline.unsure = None
 
+    def take_edit(self, key: str, master: torch.Tensor) -> None:
+        """A user's edit of a shard's parameters becomes its master, the moments kept, as a torch
+        optimizer steps whatever the parameter holds and keeps its state when a weight is edited
+        in place. `master`: this rank's shard of the edited values, in any dtype (in bf16/fp16
+        the master takes the compute copy's values)."""
+        parts = self.read_state(key)
+        parts["master"] = master.float()
+        self.write_state(key, parts)
+
     def state_dict(self) -> dict:
         return {**self.state_dict_scalars(), "lagging": self.lagging(),
                 "state": {k: self.read_state(k) for k in self.numel}}

@@ -194,7 +194,7 @@ class StagingRing:
         self._flush_depth = 0  # FLUSHING: flushes in progress (the last one out makes the ring READY)
         self._stale: dict[str, str] = {}  # key -> why the drive's copy is older (until rewritten)
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="zero-offload-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="zero-offload-read-ahead", daemon=True)
         self._thread.start()
 
     @property
