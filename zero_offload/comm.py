@@ -196,19 +196,19 @@ def all_gather_(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_in_place_(full: torch.Tensor) -> torch.Tensor:
-    """`full` already holds this rank's shard at slot `rank`; fill the other ranks' slots.
+    """`full` already holds this rank's shard as part `rank`; fill the other ranks' parts.
 
-    NCCL gathers in place (the input is the output's own slot, as FSDP2 does); gloo's list form
-    needs an input apart from the outputs, so only there the slot is copied first."""
+    NCCL gathers in place (the input is the output's own part, as FSDP2 does); gloo's list form
+    needs an input apart from the outputs, so only there the part is copied first."""
     n = world_size()
     if n == 1:
         return full
-    slot = full.view(n, -1)[rank()]
+    mine = full.view(n, -1)[rank()]
     if backend() == "nccl":
         with _collective("all-gather", _describe(full)):
-            dist.all_gather_into_tensor(full, slot)
+            dist.all_gather_into_tensor(full, mine)
         return full
-    return all_gather_(full, slot.clone())
+    return all_gather_(full, mine.clone())
 
 
 def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:

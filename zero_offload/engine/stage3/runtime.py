@@ -681,7 +681,7 @@ class Stage3Runtime(RuntimeBase):
             self._fresh[key] = shard
 
     def _regather_resident(self) -> None:
-        """Resident units after a step: this rank's new shard into its slot, then all-gather."""
+        """Resident units after a step: this rank's new shard into its part, then all-gather."""
         fresh, self._fresh = self._fresh, {}
         for u in self.units:
             if u.resident:

@@ -17,7 +17,7 @@ objects themselves, so tied weights stay one object and optimizers/hooks keyed b
 State machine (owned here, transitions raise unless in the state they leave):
     SHARDED --begin_fetch--> FETCHING --finish_gather--> GATHERED --release--> SHARDED
     FETCHING --abandon--> SHARDED   (a prefetch that turned out not to be needed)
-`fetch_local` (this rank's shard: tier -> gather buffer -> device slot, or straight from the
+`fetch_local` (this rank's shard: tier -> gather buffer -> device part, or straight from the
 values of a write of that shard still in flight) may run on a background thread; `finish_gather`
 (the all-gather) always runs on the main thread, in execution order, so every rank issues the
 same collectives in the same order. `gather` is the whole of it now, on the calling thread (a
@@ -68,7 +68,7 @@ class FlatGroup:
 
 
 class GatherBuffers:
-    """Reusable bounce buffers for a gather's local read (drive -> buffer -> device slot), per
+    """Reusable bounce buffers for a gather's local read (drive -> buffer -> device part), per
     (numel, dtype), made by the store (aligned/pinned as it needs). Not the optimizer's
     staging ring (engine/step/staging_ring.py), which reads optimizer state ahead of the step.
 
@@ -145,14 +145,14 @@ class Unit:
             raise RuntimeError(f"unit '{self.name}': {transition} needs state {state.value}, it is {self.state.value}")
 
     def begin_fetch(self) -> None:
-        """SHARDED -> FETCHING: allocate the flat buffers; `fetch_local` then fills this rank's slot."""
+        """SHARDED -> FETCHING: allocate the flat buffers; `fetch_local` then fills this rank's part."""
         self._leave(UnitState.SHARDED, "begin_fetch")
         for g in self.groups:
             g.flat.untyped_storage().resize_(g.layout.padded_numel * g.flat.element_size())
         self.state = UnitState.FETCHING
 
     def fetch(self) -> None:
-        """SHARDED -> FETCHING with this rank's shard in its slot, read on this thread."""
+        """SHARDED -> FETCHING with this rank's shard in its part, read on this thread."""
         self.begin_fetch()
         self.fetch_local()
 
@@ -166,7 +166,7 @@ class Unit:
         self._pending = wait
 
     def fetch_local(self) -> None:
-        """Copy this rank's shard of every group from its tier into its slot of the flat buffer."""
+        """Copy this rank's shard of every group from its tier into its part of the flat buffer."""
         if self.state is not UnitState.FETCHING:
             raise RuntimeError(f"unit '{self.name}': fetch_local needs state fetching, it is {self.state.value}")
         with tracer().span(f"fetch {self.name}", "transfer", bytes=self.nbytes // self.world):
@@ -174,19 +174,19 @@ class Unit:
                 lo, hi = g.layout.shard_range(self.rank)
                 self._read_shard(g.key, g.flat[lo:hi])
 
-    def _read_shard(self, key: str, slot: torch.Tensor) -> None:
+    def _read_shard(self, key: str, part: torch.Tensor) -> None:
         pending = self._pending_write(key)
         if pending is not None:  # the shard's newest values are still being written: take them from memory
-            copy_async(slot, pending).wait()
+            copy_async(part, pending).wait()
             return
         self.settle_write(key)
         if self.store.view(key) is not None:  # resident tier: one (possibly host->device) copy
-            self.store.read(key, slot).wait()
+            self.store.read(key, part).wait()
             return
-        buf = self.buffers.acquire(slot.numel(), slot.dtype)  # nvme -> bounce buffer -> device
+        buf = self.buffers.acquire(part.numel(), part.dtype)  # nvme -> bounce buffer -> device
         try:
             self.store.read(key, buf).wait()
-            copy_async(slot, buf).wait()
+            copy_async(part, buf).wait()
         finally:
             self.buffers.give_back(buf)
 
@@ -251,7 +251,7 @@ class Unit:
 
     def install_shards(self, shards: dict[str, torch.Tensor | None], *, frozen_too: bool = False) -> None:
         """A GATHERED (resident) unit takes new shards in place: given ones are copied into this
-        rank's slot, missing ones (None) are read from the store; then the all-gather (collective).
+        rank's part, missing ones (None) are read from the store; then the all-gather (collective).
         Frozen groups are skipped unless `frozen_too` (after a checkpoint load rewrote them)."""
         if self.state is not UnitState.GATHERED:
             raise RuntimeError(f"unit '{self.name}': install_shards needs state gathered, it is {self.state.value}")
@@ -267,7 +267,7 @@ class Unit:
             self._all_gather(g)
 
     def _all_gather(self, g: FlatGroup) -> None:
-        """The other ranks' slots of `g`'s flat buffer (this rank's slot is filled already)."""
+        """The other ranks' parts of `g`'s flat buffer (this rank's part is filled already)."""
         if self.world > 1:
             with tracer().span(f"all-gather {self.name}", "comm"):
                 comm.all_gather_in_place_(g.flat)
