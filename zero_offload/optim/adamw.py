@@ -51,4 +51,5 @@ ADAMW = OptimizerSpec(
     hyperparams=AdamWHyperparams,
     kernels=Kernels(host="zero_offload.optim.adamw_kernels:HostAdam",
                     device="zero_offload.optim.adamw_kernels:DeviceAdam"),
+    config_bounds=CONFIG_BOUNDS,
 )
