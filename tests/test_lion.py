@@ -178,3 +178,30 @@ def test_config_takes_lion_hyperparameters_in_lion_ranges() -> None:
     with pytest.raises(ConfigError, match=r"optimizer\.lr"):
         Config(optimizer={"name": "lion", "lr": 0.0})
     assert Config(optimizer={"name": "adamw", "lr": 0.0}).optimizer.lr == 0.0
+
+
+@pytest.mark.parametrize("saved, loading", [("adamw", "lion"), ("lion", "adamw")])
+def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line(saved: str, loading: str) -> None:
+    """AdamW's shards loaded into Lion silently (master and m taken, v dropped), and Lion's into
+    AdamW raised KeyError 'v' from inside the load (a review): the manifest names the parts."""
+    import zero_offload
+    from zero_offload.engine.state.files import CheckpointError
+
+    def cfg(name: str) -> dict:
+        return dict(stage=2, tiers={"optimizer": "cpu", "grads": "cpu"}, bucket_bytes=6000,
+                    optimizer={"name": name, "lr": LR})
+
+    with tempfile.TemporaryDirectory() as d:
+        first = zero_offload.initialize(make_model(), cfg(saved))
+        try:
+            train(first, range(1))
+            first.save_checkpoint(os.path.join(d, "ck"))
+        finally:
+            first.close()
+        other = zero_offload.initialize(make_model(), cfg(loading))
+        try:
+            with pytest.raises(CheckpointError, match=r"holds optimizer state master\+m.* keeps master\+m") as err:
+                other.load_checkpoint(os.path.join(d, "ck"))
+        finally:
+            other.close()
+    assert "\n" not in str(err.value)
