@@ -205,3 +205,38 @@ def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line(saved: str, lo
         finally:
             other.close()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("device_kernel", [False, True])
+def test_lion_kernels_runs_lowp_out_and_nonfinite(device_kernel: bool) -> None:
+    """The kernel contract the pipeline relies on: runs step only their elements (each with its
+    scalars), lowp_out takes the updated master everywhere, and a NaN update is NonFiniteUpdate."""
+    from zero_offload.optim.adamw_kernels import Scalars
+    from zero_offload.optim.flat import NonFiniteUpdate
+    from zero_offload.optim.lion import LION
+
+    kernel = LION.kernel(device_kernel)(0)
+    assert kernel.host is not device_kernel
+    gen = torch.Generator().manual_seed(0)
+    master, grad, m = (torch.randn(12, generator=gen) for _ in range(3))
+    start = (master.clone(), m.clone())
+    a = Scalars(step=1, lr=0.1, beta1=0.9, beta2=0.99, eps=0.0, weight_decay=0.5, decoupled=True)
+    b = Scalars(step=3, lr=0.01, beta1=0.5, beta2=0.9, eps=0.0, weight_decay=0.0, decoupled=True, grad_scale=2.0)
+    out = torch.empty(12, dtype=torch.bfloat16)
+    kernel.segments(master, grad, m, [(0, 4, a), (8, 12, b)], out)
+    for lo, hi, s in ((0, 4, a), (8, 12, b)):
+        g = grad[lo:hi] * s.grad_scale
+        c = s.beta1 * start[1][lo:hi] + (1 - s.beta1) * g
+        assert torch.allclose(master[lo:hi], start[0][lo:hi] * (1 - s.lr * s.weight_decay) - s.lr * torch.sign(c))
+        assert torch.allclose(m[lo:hi], s.beta2 * start[1][lo:hi] + (1 - s.beta2) * g)
+    assert torch.equal(master[4:8], start[0][4:8]) and torch.equal(m[4:8], start[1][4:8])  # in no run
+    assert torch.equal(out, master.to(torch.bfloat16))
+    # torch.sign(NaN) is 0: a NaN gradient leaves the weights finite and the moment NaN (then no
+    # later step moves them); an infinite one leaves an infinite moment. Both are refused.
+    for bad in (float("nan"), float("inf")):
+        g, mm = grad.clone(), m.clone()
+        g[5] = bad
+        with pytest.raises(NonFiniteUpdate):
+            kernel(master.clone(), g, mm, a, None)
+        with pytest.raises(NonFiniteUpdate):
+            kernel.segments(master.clone(), g, m.clone(), [(4, 8, b)], None)

@@ -25,12 +25,13 @@ def lion_update(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, s: Sc
     m.mul_(s.beta2).add_(g, alpha=1.0 - s.beta2)
 
 
-def _finish(master: torch.Tensor, lowp_out: torch.Tensor | None) -> None:
-    """The check the pipeline expects (NonFiniteUpdate for an Inf/NaN parameter), then the
-    updated weights in the compute dtype. `lowp_out` may share the gradient's bytes: it is written
-    only once every read of the gradient is done."""
-    if not bool(torch.isfinite(master).all()):
-        raise NonFiniteUpdate("the Lion update left an Inf or NaN parameter")
+def _finish(master: torch.Tensor, m: torch.Tensor, lowp_out: torch.Tensor | None) -> None:
+    """The check the pipeline expects (NonFiniteUpdate), then the updated weights in the compute
+    dtype. torch.sign(NaN) is 0, so a NaN gradient leaves the weights finite and the moment NaN
+    (every later step then moves nothing): the moment is checked too. `lowp_out` may share the
+    gradient's bytes: it is written only once every read of the gradient is done."""
+    if not (bool(torch.isfinite(master).all()) and bool(torch.isfinite(m).all())):
+        raise NonFiniteUpdate("the Lion update left an Inf or NaN parameter or moment")
     if lowp_out is not None:
         lowp_out.copy_(master)
 
@@ -48,7 +49,7 @@ class HostLion:
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
                  s: Scalars, lowp_out: torch.Tensor | None) -> None:
         lion_update(master, grad, m, s)
-        _finish(master, lowp_out)
+        _finish(master, m, lowp_out)
 
     def segments(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
                  segments: list[tuple[int, int, Scalars]], lowp_out: torch.Tensor | None) -> None:
@@ -57,7 +58,7 @@ class HostLion:
         values there."""
         for lo, hi, s in segments:
             lion_update(master[lo:hi], grad[lo:hi], m[lo:hi], s)
-        _finish(master, lowp_out)
+        _finish(master, m, lowp_out)
 
 
 class DeviceLion(HostLion):
