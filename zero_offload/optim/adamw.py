@@ -52,4 +52,5 @@ ADAMW = OptimizerSpec(
     kernels=Kernels(host="zero_offload.optim.adamw_kernels:HostAdam",
                     device="zero_offload.optim.adamw_kernels:DeviceAdam"),
     config_bounds=CONFIG_BOUNDS,
+    label="Adam",  # adam and adamw alike: "the Adam update of optimizer shard ..."
 )

@@ -89,6 +89,11 @@ class OptimizerSpec:
     # A training configuration's ranges, where they are stricter than what the kernels take
     # (None: the hyperparameters' own defaults).
     config_bounds: Mapping[str, Bound] | None = field(default=None, compare=False)
+    label: str = ""  # how messages name it ("Adam"); its name when empty
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
 
     def __post_init__(self) -> None:
         if not self.parts or self.parts[0].name != "master":

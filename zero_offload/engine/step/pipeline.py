@@ -85,7 +85,7 @@ def updated_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return aligned_tensor(numel, dtype, pin=torch.cuda.is_available(), huge_pages=False)
 
 
-def nonfinite_step(job: Job) -> NonFiniteUpdate:
+def nonfinite_step(job: Job, optimizer: str = ADAMW.title) -> NonFiniteUpdate:
     """The one-line error for a shard whose update left Inf/NaN weights. Raised before the job is
     handed over or its region released: its step count and compute copy stay as they were, and a
     staged (nvme) shard is not written back, so the drive keeps the previous state; a resident
@@ -94,7 +94,7 @@ def nonfinite_step(job: Job) -> NonFiniteUpdate:
     steps = sorted({s.step for _, _, s in job.segments()}) or [job.scalars.step]
     lrs = sorted({s.lr for _, _, s in job.segments()}) or [job.scalars.lr]
     return NonFiniteUpdate(
-        f"step {'/'.join(map(str, steps))}: the Adam update of optimizer shard {job.key!r} left Inf or NaN "
+        f"step {'/'.join(map(str, steps))}: the {optimizer} update of optimizer shard {job.key!r} left Inf or NaN "
         f"weights (lr {'/'.join(f'{lr:g}' for lr in lrs)}; an lr or gradient too large for fp32); the shard "
         "was not handed over: lower the lr or clip the gradients, and load a checkpoint to go on")
 
@@ -399,7 +399,7 @@ class StepPipeline:
             else:
                 self.kernel(*tensors, job.scalars, out)
         except NonFiniteUpdate as exc:
-            raise nonfinite_step(job) from exc
+            raise nonfinite_step(job, self.access.spec.title) from exc
 
     def _run_noting(self, job: Job) -> None:
         """`_run` inline; an interrupt inside it leaves the job unsure (see `unsure`)."""
