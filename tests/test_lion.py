@@ -240,3 +240,20 @@ def test_lion_kernels_runs_lowp_out_and_nonfinite(device_kernel: bool) -> None:
             kernel(master.clone(), g, mm, a, None)
         with pytest.raises(NonFiniteUpdate):
             kernel.segments(master.clone(), g, m.clone(), [(4, 8, b)], None)
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu"])
+def test_a_nan_gradient_fails_the_lion_step_in_one_named_line(tier: str) -> None:
+    import zero_offload
+
+    with tempfile.TemporaryDirectory() as d:
+        engine = zero_offload.initialize(make_model(), lion_config(2, tier, d))
+        try:
+            x, y = batch(0, ROWS)
+            loss = engine(x, y) * float("nan")
+            # a device kernel steps inline in backward's hooks: the error may come from either call
+            with pytest.raises(Exception, match=r"step 1: the Lion update of optimizer shard .* left Inf or NaN"):
+                engine.backward(loss)
+                engine.step()
+        finally:
+            engine.close()

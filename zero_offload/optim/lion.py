@@ -43,4 +43,5 @@ LION = OptimizerSpec(
     hyperparams=LionHyperparams,
     kernels=Kernels(host="zero_offload.optim.lion_kernels:HostLion",
                     device="zero_offload.optim.lion_kernels:DeviceLion"),
+    label="Lion",
 )
