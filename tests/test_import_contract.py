@@ -26,7 +26,7 @@ LAYERS: list[list[list[str]]] = [
     [["native"]],  # loading the C++ library
     [["comm"]],  # the only file that calls torch.distributed; imports nothing of ours
     [["tiers"]],  # the tier registry: pure data, asked by config and everything above
-    [["optim.spec", "optim.adamw", "optim.registry"]],  # optimizer specs (state parts, hyperparameters): pure data
+    [["optim.spec", "optim.adamw", "optim.lion", "optim.registry"]],  # optimizer specs (state parts, hyperparameters): pure data
     [["config"]],  # what the user asked for (no torch); io/swap.py defaults to its IOConfig
     [["deepspeed_compat"]],  # DeepSpeed's keys onto Config (asks comm for the world size)
     [["ledger"]],  # what the state should cost

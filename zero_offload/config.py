@@ -24,7 +24,6 @@ from typing import Any, Callable, Mapping
 
 from zero_offload.tiers import TIERS, tier
 
-from zero_offload.optim.adamw import CONFIG_BOUNDS, AdamWHyperparams
 from zero_offload.optim.registry import SPECS
 from zero_offload.optim.spec import Bound
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -214,7 +213,8 @@ class PrecisionConfig(_Fields):
 
 @dataclass(frozen=True)
 class OptimizerConfig(_Fields):
-    """The optimizer and its hyperparameters (Adam with L2, or AdamW with decoupled decay)."""
+    """The optimizer (a name of optim/registry.py: Adam with L2, AdamW with decoupled decay, ...)
+    and its hyperparameters; a field the optimizer has not (Lion's eps) is not used."""
 
     name: str = "adamw"
     lr: float = 1e-3
@@ -225,8 +225,9 @@ class OptimizerConfig(_Fields):
 
     def __post_init__(self) -> None:
         _check_choice("optimizer.name", self.name, OPTIMIZERS)
-        AdamWHyperparams(self.lr, self.betas, self.eps, self.weight_decay).check(
-            _fail_optimizer, bounds=CONFIG_BOUNDS, number=_config_number)
+        # The spec of `name` checks the hyperparameters it has (Lion has no eps), in its own ranges.
+        SPECS[self.name].check({f.name: getattr(self, f.name) for f in fields(self)}, _fail_optimizer,
+                               number=_config_number, config=True)
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         _check_int("optimizer.threads", self.threads, 0, MAX_THREADS)
 

@@ -39,7 +39,8 @@ def memory_report(rt: Runtime, cfg: Config, device: torch.device) -> dict[str, A
     """The report as a dict; its 'table' entry is the printable form. The runtime names its
     bytes (retained, extras, limits); the rows, notes and table are assembled here."""
     led = ledger.ideal(rt.trainable_numel(), comm.world_size(), cfg.stage, cfg.precision.dtype,
-                       {"params": cfg.tiers.params, "grads": cfg.tiers.grads, "optimizer": cfg.tiers.optimizer})
+                       {"params": cfg.tiers.params, "grads": cfg.tiers.grads, "optimizer": cfg.tiers.optimizer},
+                       spec=rt.shard_optimizer.spec)  # the engine's optimizer's bytes per element
     held = rt.retained()
     rows = []
     for group in GROUPS:

@@ -51,4 +51,6 @@ ADAMW = OptimizerSpec(
     hyperparams=AdamWHyperparams,
     kernels=Kernels(host="zero_offload.optim.adamw_kernels:HostAdam",
                     device="zero_offload.optim.adamw_kernels:DeviceAdam"),
+    config_bounds=CONFIG_BOUNDS,
+    label="Adam",  # adam and adamw alike: "the Adam update of optimizer shard ..."
 )

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from zero_offload.optim.adamw import ADAMW
+from zero_offload.optim.lion import LION
 from zero_offload.optim.spec import OptimizerSpec
 
-SPECS: dict[str, OptimizerSpec] = {"adamw": ADAMW, "adam": ADAMW}  # adam and adamw differ by a hyperparameter
+# adam and adamw differ by a hyperparameter (L2 or decoupled decay)
+SPECS: dict[str, OptimizerSpec] = {"adamw": ADAMW, "adam": ADAMW, "lion": LION}
 
 
 def spec_for(name: str) -> OptimizerSpec:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, NoReturn
 
 FP32_BYTES = 4
 
@@ -84,8 +84,16 @@ class OptimizerSpec:
 
     name: str
     parts: tuple[StatePart, ...]
-    hyperparams: type
+    hyperparams: type  # a dataclass of the group's hyperparameters with check(fail, *, bounds, number)
     kernels: Kernels
+    # A training configuration's ranges, where they are stricter than what the kernels take
+    # (None: the hyperparameters' own defaults).
+    config_bounds: Mapping[str, Bound] | None = field(default=None, compare=False)
+    label: str = ""  # how messages name it ("Adam"); its name when empty
+
+    @property
+    def title(self) -> str:
+        return self.label or self.name
 
     def __post_init__(self) -> None:
         if not self.parts or self.parts[0].name != "master":
@@ -111,6 +119,15 @@ class OptimizerSpec:
     def state_numel(self, numel: int) -> int:
         """fp32 words of a shard's state: what its store key and ring region hold."""
         return len(self.parts) * numel
+
+    def check(self, values: Mapping[str, Any], fail: Fail, *, number: Callable[[str, Any], float] = as_float,
+              config: bool = False) -> None:
+        """Refuse, through `fail`, the first bad hyperparameter of `values` (e.g. config.optimizer's
+        fields): those the spec's hyperparams name are taken, the rest (an eps Lion has not) are
+        not its concern. `config`: with config_bounds."""
+        names = [f.name for f in fields(self.hyperparams)]
+        bounds = {"bounds": self.config_bounds} if config and self.config_bounds is not None else {}
+        self.hyperparams(**{n: values[n] for n in names if n in values}).check(fail, number=number, **bounds)
 
     def kernel(self, device: bool) -> type:
         """The class that steps a shard on the device (True) or in host memory (False)."""

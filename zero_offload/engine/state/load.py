@@ -19,6 +19,7 @@ from zero_offload.engine.state.common import agree, attempt
 from zero_offload.engine.state.files import CLIENT_FILE, READABLE, CheckpointError, Kind, why
 from zero_offload.engine.state.plan import Copies, check_frozen_home, check_shapes, checked_non_trainable, lagging, plan
 from zero_offload.engine.state.reader import Reader
+from zero_offload.optim.adamw import ADAMW
 
 
 @dataclass
@@ -90,6 +91,7 @@ def _prepare(rt: Runtime, model: ModelView, config: Config, path: str) -> _Load:
     if "frozen_shapes" in manifest:  # older checkpoints: stage-3 frozen shards stay as initialized
         check_shapes(root, "frozen parameters", rt.frozen_shapes(), manifest["frozen_shapes"])
     _check_groups(rt, root, manifest["optimizer"])
+    _check_parts(rt, root, manifest)
     reader = Reader(root, manifest)
     maps = _read_maps(root, manifest)
     same_world = manifest["world"] == comm.world_size()
@@ -134,6 +136,17 @@ def _check_groups(rt: Runtime, root: str, sd: dict[str, Any]) -> None:
     if len(sd["param_groups"]) != groups:
         raise CheckpointError(f"checkpoint {root} has {len(sd['param_groups'])} parameter group(s), this engine "
                               f"{groups}: pass initialize the param_groups of the run that saved it")
+
+
+def _check_parts(rt: Runtime, root: str, manifest: dict[str, Any]) -> None:
+    """The saved shards hold the state parts of the optimizer that saved them (a checkpoint
+    without the field is AdamW's): another optimizer's state is refused, not half read."""
+    saved = tuple(manifest.get("optimizer_parts", ADAMW.part_names))
+    spec = rt.shard_optimizer.spec
+    if saved != spec.part_names:
+        raise CheckpointError(f"checkpoint {root} holds optimizer state {'+'.join(saved)}, this engine's optimizer "
+                              f"{spec.name!r} keeps {'+'.join(spec.part_names)}: load it with the optimizer.name "
+                              "that saved it")
 
 
 def _read_json(path: str, crc32: int | None = None) -> Any:

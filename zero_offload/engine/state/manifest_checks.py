@@ -108,6 +108,10 @@ def check(manifest: Any) -> None:
     for r in manifest["writers"]:
         if r >= manifest["world"]:
             raise ManifestError(f"writers names rank {r} of a world of {manifest['world']}")
+    parts = manifest.get("optimizer_parts", ["master"])
+    if not (isinstance(parts, list) and parts and all(isinstance(p, str) for p in parts)):
+        raise ManifestError(f"optimizer_parts is {str(parts)[:40]!r}, expected the names of the optimizer's "
+                            "state parts")
     for key in ("sizes", "maps", "client_state"):
         if key in manifest and not _counts(manifest[key]):
             raise ManifestError(f"{key} is not a table of non-negative integers")

@@ -197,6 +197,7 @@ def _finish(rt: Runtime, view: ModelView, state: TrainingState, config: Config, 
                 "precision": config.precision.dtype, "writers": writers,
                 "micro_step": state.micro_step, "global_steps": state.global_steps,
                 "optimizer": rt.shard_optimizer.state_dict_scalars(),
+                "optimizer_parts": list(rt.shard_optimizer.spec.part_names),  # whose state the shards hold
                 "param_shapes": {k: list(v) for k, v in rt.param_shapes().items()},
                 "frozen_shapes": {k: list(v) for k, v in rt.frozen_shapes().items()},
                 "maps": maps, "files": described,

@@ -18,7 +18,7 @@ import queue
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -31,6 +31,18 @@ from zero_offload.optim.adamw_kernels import DeviceAdam, HostAdam, Scalars
 from zero_offload.optim.flat import NonFiniteUpdate
 from zero_offload.optim.spec import OptimizerSpec
 from zero_offload.store.base import Handle, Store
+
+
+class StepKernel(Protocol):
+    """A spec's kernel (OptimizerSpec.kernel): called with (master, grad, *the spec's other
+    parts, scalars, lowp_out), or `segments` with a job's runs in place of the scalars; `host`
+    says it steps host memory (and so runs on the worker thread)."""
+
+    host: bool
+
+    def __call__(self, *args: Any) -> None: ...
+
+    def segments(self, *args: Any) -> None: ...
 
 
 @dataclass
@@ -73,7 +85,7 @@ def updated_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return aligned_tensor(numel, dtype, pin=torch.cuda.is_available(), huge_pages=False)
 
 
-def nonfinite_step(job: Job) -> NonFiniteUpdate:
+def nonfinite_step(job: Job, optimizer: str = ADAMW.title) -> NonFiniteUpdate:
     """The one-line error for a shard whose update left Inf/NaN weights. Raised before the job is
     handed over or its region released: its step count and compute copy stay as they were, and a
     staged (nvme) shard is not written back, so the drive keeps the previous state; a resident
@@ -82,13 +94,13 @@ def nonfinite_step(job: Job) -> NonFiniteUpdate:
     steps = sorted({s.step for _, _, s in job.segments()}) or [job.scalars.step]
     lrs = sorted({s.lr for _, _, s in job.segments()}) or [job.scalars.lr]
     return NonFiniteUpdate(
-        f"step {'/'.join(map(str, steps))}: the Adam update of optimizer shard {job.key!r} left Inf or NaN "
+        f"step {'/'.join(map(str, steps))}: the {optimizer} update of optimizer shard {job.key!r} left Inf or NaN "
         f"weights (lr {'/'.join(f'{lr:g}' for lr in lrs)}; an lr or gradient too large for fp32); the shard "
         "was not handed over: lower the lr or clip the gradients, and load a checkpoint to go on")
 
 
 class StateAccess:
-    """Hands out a shard's (master, m, v): the store's own tensors, or a region of the staging
+    """Hands out a shard's state parts (the spec's: master first): the store's own tensors, or a region of the staging
     ring (staging.py) that the prefetch thread reads ahead into."""
 
     def __init__(self, store: Store, budget_bytes: int = 0, spec: OptimizerSpec = ADAMW) -> None:
@@ -138,7 +150,7 @@ class StateAccess:
         return 0 if self._ring is None else self._ring.nbytes
 
     def resident(self, key: str) -> tuple[torch.Tensor, ...] | None:
-        """(master, m, v) as views of the store's own tensor, or None when it is not addressable."""
+        """The shard's parts (master first) as views of the store's own tensor, or None when it is not addressable."""
         state = self.store.view(key)
         return None if state is None else state.view(len(self.spec.parts), -1).unbind(0)
 
@@ -177,7 +189,7 @@ class StateAccess:
 class StepPipeline:
     """Runs jobs in order, on a worker thread for a host kernel, inline for a device kernel."""
 
-    def __init__(self, kernel: HostAdam | DeviceAdam, access: StateAccess, out_dtype: torch.dtype,
+    def __init__(self, kernel: StepKernel, access: StateAccess, out_dtype: torch.dtype,
                  planned: Callable[[], list[tuple[str, int]]],
                  on_done: Callable[[Job], None] | None = None) -> None:
         """`on_done`, if given, receives each job as soon as it is stepped, on the thread that
@@ -387,7 +399,7 @@ class StepPipeline:
             else:
                 self.kernel(*tensors, job.scalars, out)
         except NonFiniteUpdate as exc:
-            raise nonfinite_step(job) from exc
+            raise nonfinite_step(job, self.access.spec.title) from exc
 
     def _run_noting(self, job: Job) -> None:
         """`_run` inline; an interrupt inside it leaves the job unsure (see `unsure`)."""
@@ -399,18 +411,21 @@ class StepPipeline:
             raise
 
     def _run(self, job: Job) -> None:
-        (master, m, v), staged = self.access.acquire(job.key, job.numel)
+        (master, *others), staged = self.access.acquire(job.key, job.numel)
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad
+        # The kernel's arguments: master, the gradient, then the spec's other parts in its order
+        # (AdamW's m and v), whatever the optimizer keeps.
+        tensors = (master, grad, *others)
         if job.into is None and hands_over_master(staged is None, self.out_dtype):
-            self._step(job, (master, grad, m, v), None)
+            self._step(job, tensors, None)
             job.out, job.out_owned = master, False
         else:
             # The kernel writes the updated weights into a buffer of their own in the same pass
             # (an fp32 copy too: a staged master's ring region is reused once released).
             out = job.into if job.into is not None else updated_buffer(job.numel, self.out_dtype, master.device)
-            self._step(job, (master, grad, m, v), out)
+            self._step(job, tensors, out)
             job.out, job.out_owned = out, True
         self.access.release(staged)
         job.grad = torch.empty(0)  # the gradient is consumed: free it now, not at drain()
