@@ -74,6 +74,17 @@ def test_estimate_cli_json_reproduces_the_seed() -> None:
     assert {int(s): v["per_device"] for s, v in stages.items()} == SEED_TABLE
 
 
+def test_estimate_cli_counts_the_named_optimizers_state() -> None:
+    """Lion keeps master + m (8 bytes per parameter): the seed's closed forms with O = 8 instead of 12,
+    (2+2+8)P, 4P + 8P/D, 2P + 10P/D, 12P/D at P = 12, D = 3."""
+    out = _cli("estimate", "--params", "12", "--dp", "3", "--optimizer", "lion", "--json")
+    assert out.returncode == 0, out.stderr
+    stages = json.loads(out.stdout)["stages"]
+    assert {int(s): v["per_device"]["total"] for s, v in stages.items()} == {0: 144, 1: 80, 2: 64, 3: 48}
+    table = _cli("estimate", "--params", "12", "--dp", "3", "--stage", "0", "--optimizer", "lion")
+    assert "2+2+8 bytes/param" in table.stdout and "optimizer (master+m)" in table.stdout, table.stdout
+
+
 def test_estimate_cli_table_names_what_is_excluded() -> None:
     out = _cli("estimate", "--params", "12", "--dp", "3")
     assert out.returncode == 0, out.stderr

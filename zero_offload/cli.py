@@ -19,7 +19,9 @@ import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 from zero_offload import ledger
-from zero_offload.config import PRECISIONS, Config, ConfigError
+from zero_offload.config import OPTIMIZERS, PRECISIONS, Config, ConfigError
+from zero_offload.optim.registry import spec_for
+from zero_offload.optim.spec import OptimizerSpec
 from zero_offload.tiers import DEVICE, TIERS, tier
 
 # name -> (module, one-line help)
@@ -191,7 +193,7 @@ def count_model_params(spec: str) -> tuple[int, int]:
     return trainable, frozen
 
 
-def _estimate_rows(led: ledger.Ledger) -> list[str]:
+def _estimate_rows(led: ledger.Ledger, spec: OptimizerSpec) -> list[str]:
     d = led.as_dict()
     tiers = [t for t in ledger.TIER_COLUMNS if d["per_rank_by_tier"][t]["total"] or tier(t).on_device]
     head = f"  {'state group':<22}" + "".join(f"{t + ' (per rank)':>20}" for t in tiers) + f"{'total':>16}"
@@ -199,7 +201,8 @@ def _estimate_rows(led: ledger.Ledger) -> list[str]:
     for g in ledger.GROUPS + ("total",):
         cells = "".join(f"{_fmt_bytes(d['per_rank_by_tier'][t][g]):>20}" for t in tiers)
         total = d["per_device"][g]
-        label = {"weights": "weights", "gradients": "gradients", "optimizer": "optimizer (master+m+v)"}.get(g, "total")
+        label = {"weights": "weights", "gradients": "gradients",
+                 "optimizer": f"optimizer ({'+'.join(spec.part_names)})"}.get(g, "total")
         rows.append(f"  {label:<22}{cells}{_fmt_bytes(total):>16}")
     rows.append(f"  machine ({led.ranks_per_node} ranks): host RAM {_fmt_bytes(d['machine']['cpu'])}, "
                 f"NVMe {_fmt_bytes(d['machine']['nvme'])}")
@@ -255,21 +258,25 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     params = args.params
     if args.model:
         params, frozen = count_model_params(args.model)
-    results = {s: ledger.ideal(params, args.dp, s, args.precision, tiers, args.ranks_per_node) for s in stages}
+    spec = spec_for(args.optimizer)
+    results = {s: ledger.ideal(params, args.dp, s, args.precision, tiers, args.ranks_per_node, spec=spec)
+               for s in stages}
     if args.json:
-        print(json.dumps({"params": params, "frozen_params": frozen,
+        print(json.dumps({"params": params, "frozen_params": frozen, "optimizer": args.optimizer,
                           "stages": {str(s): led.as_dict() for s, led in results.items()},
                           "refused": {str(s): why for s, why in refused.items()}}, indent=2))
         return 0
-    conv = "2+2+12 bytes/param (compute-dtype weights and grads, fp32 master+m+v)" if args.precision != "fp32" \
-        else "4+4+12 bytes/param (fp32 compute copy, fp32 grads, fp32 master+m+v)"
+    per = ledger.bytes_per_param(args.precision, spec)
+    what = "compute-dtype weights and grads" if args.precision != "fp32" else "fp32 compute copy, fp32 grads"
+    conv = (f"{per['weights']}+{per['gradients']}+{per['optimizer']} bytes/param ({what}, "
+            f"fp32 {'+'.join(spec.part_names)} for {args.optimizer})")
     print(f"P = {params:,} trainable parameters" + (f" (+{frozen:,} frozen, not counted)" if frozen else "")
           + f", D = {args.dp}, precision {args.precision}: {conv}")
     for s, why in refused.items():
         print(f"\nZeRO stage {s}: not shown, these tiers are refused there: {why}")
     for s, led in results.items():
         print(f"\nZeRO stage {s}: ideal retained bytes per rank = {_fmt_bytes(led.as_dict()['per_device']['total'])}")
-        print("\n".join(_estimate_rows(led)))
+        print("\n".join(_estimate_rows(led, spec)))
     print("\nIdeal retained state, not peak memory: it excludes " + ", ".join(ledger.EXCLUDED) + ".")
     return 0
 
@@ -305,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing one machine (default D)")
     p.add_argument("--stage", choices=["0", "1", "2", "3", "all"], default="all")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer whose state bytes per parameter count (default adamw)")
     for group in ("params", "grads", "optimizer"):
         p.add_argument(f"--{group}-tier", choices=TIERS, default=DEVICE.name)
     p.add_argument("--json", action="store_true")
