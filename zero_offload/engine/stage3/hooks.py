@@ -96,7 +96,8 @@ class InputWatch:
 
     def settle(self) -> None:
         """After the module's forward: the aliases' hook, unless one was modified in place."""
-        assert self.fallback is not None, "InputWatch settled twice"
+        if self.fallback is None:
+            raise RuntimeError("stage 3: an input watch settled twice (internal error)")
         if any(a._version != v for a, _, v in self.aliases):
             self.handle.remove()
             self.handle = self.fallback

@@ -106,7 +106,8 @@ class LiveBudget:
 
     def give(self, nbytes: int) -> None:
         self.live -= nbytes
-        assert self.live >= 0, "live budget released more than it took"
+        if self.live < 0:
+            raise RuntimeError("stage 3: the live budget was released more than it took (internal error)")
 
 
 class Schedule:

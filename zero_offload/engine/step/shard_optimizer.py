@@ -427,13 +427,15 @@ class ShardOptimizer:
         """(shard, updated compute copy, owned) once `job` completes its shard, else None."""
         sub = self._subshard[job.key]
         if sub.key == sub.owner:
-            assert job.out is not None
+            if job.out is None:
+                raise RuntimeError(f"shard {sub.owner}: stepped without an updated buffer (internal error)")
             return sub.owner, job.out, job.out_owned
         full = self._assembly.subshard_done(sub.owner)
         return None if full is None else (sub.owner, full, True)
 
     def _stream(self, job: Job) -> None:
-        assert self.on_updated is not None
+        if self.on_updated is None:
+            raise RuntimeError("updates streamed without a receiver (internal error)")
         done = self._updated(job)
         if done is not None:
             self.on_updated(*done)
