@@ -26,9 +26,7 @@ from zero_offload import comm, ledger
 from zero_offload.ledger import GROUPS
 from zero_offload.tiers import TIERS
 from zero_offload.config import Config
-from zero_offload.engine.runtime import FROZEN_ROW, Runtime, grads_by_tier, grads_slot_rounding, padding
-
-__all__ = ["FROZEN_ROW", "GROUPS", "TIERS", "grads_by_tier", "grads_slot_rounding", "memory_report", "padding"]
+from zero_offload.engine.runtime import Runtime
 
 
 def _mib(n: float) -> str:

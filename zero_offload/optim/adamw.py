@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from zero_offload.optim.spec import Bound, Fail, Kernels, OptimizerSpec, StatePart, as_float, check_number
+from zero_offload.optim.spec import Bound, Fail, Kernels, OptimizerSpec, StatePart, as_float, check_betas, check_number
 
 # What torch.optim.Adam/AdamW accept, and so what drop-ins and the kernels must accept (eps = 0 too).
 KERNEL_BOUNDS: Mapping[str, Bound] = {
@@ -35,10 +35,7 @@ class AdamWHyperparams:
         """Refuse, through `fail`, the first value no AdamW accepts (NaN and infinity included: a
         NaN fails every comparison, an infinite lr or decay turns every weight into NaN)."""
         check_number("lr", self.lr, bounds["lr"], fail, number)
-        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
-            fail("betas", self.betas, "expected two numbers [beta1, beta2]")
-        for i, beta in enumerate(self.betas):
-            check_number(f"betas[{i}]", beta, bounds["betas"], fail, number)
+        check_betas(self.betas, bounds["betas"], fail, number)
         check_number("eps", self.eps, bounds["eps"], fail, number)
         check_number("weight_decay", self.weight_decay, bounds["weight_decay"], fail, number)
 

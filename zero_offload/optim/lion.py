@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from zero_offload.optim.spec import Bound, Fail, Kernels, OptimizerSpec, StatePart, as_float, check_number
+from zero_offload.optim.spec import Bound, Fail, Kernels, OptimizerSpec, StatePart, as_float, check_betas, check_number
 
 # lr = 0 would step nothing: sign(c) has no scale, so only lr says how far each weight moves.
 BOUNDS: Mapping[str, Bound] = {
@@ -30,10 +30,7 @@ class LionHyperparams:
               number: Callable[[str, Any], float] = as_float) -> None:
         """Refuse, through `fail`, the first value Lion cannot step with (NaN and infinity too)."""
         check_number("lr", self.lr, bounds["lr"], fail, number)
-        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
-            fail("betas", self.betas, "expected two numbers [beta1, beta2]")
-        for i, beta in enumerate(self.betas):
-            check_number(f"betas[{i}]", beta, bounds["betas"], fail, number)
+        check_betas(self.betas, bounds["betas"], fail, number)
         check_number("weight_decay", self.weight_decay, bounds["weight_decay"], fail, number)
 
 

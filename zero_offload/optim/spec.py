@@ -63,6 +63,14 @@ def check_number(name: str, value: Any, bound: Bound, fail: Fail,
         fail(name, value, bound.wording())
 
 
+def check_betas(value: Any, bound: Bound, fail: Fail, number: Callable[[str, Any], float] = as_float) -> None:
+    """A (beta1, beta2) pair, each inside `bound`: the moment coefficients Adam-like optimizers share."""
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        fail("betas", value, "expected two numbers [beta1, beta2]")
+    for i, beta in enumerate(value):
+        check_number(f"betas[{i}]", beta, bound, fail, number)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """An optimizer's step per kind of device where its state lives, as "module:attribute" paths:
