@@ -5,7 +5,8 @@ The peer script (../shared/peer/ds_e2e.py) trains a 29.5M-parameter GPT under De
 offload on the CPU. This script builds the very same model class from that file, with the same
 seeds and synthetic data, trains it under zero_offload, and runs the peer's configs in between
 ours, round after round, so every ratio compares figures measured minutes apart on this noisy
-machine. It never imports DeepSpeed itself: the peer runs in its own virtualenv (--ds-python).
+machine. Each round starts one run later than the last, so no config always follows DeepSpeed's
+heavy writes; our configs are also compared with the tuned one round by round. It never imports DeepSpeed itself: the peer runs in its own virtualenv (--ds-python).
 
     python scripts/peer_compare.py --ds-python /tmp/dsvenv/bin/python --rounds 2
 
@@ -248,10 +249,12 @@ def _orchestrate(args: argparse.Namespace, root: str) -> None:
     for r in range(args.rounds):
         for peer_name, ours in [pair for pair in PAIRS if pair[0] in args.pairs.split(",")]:
             jobs = ([] if args.only_ours else [("ds", peer_name)]) + [("zo", name) for name in ours]
-            for who, name in jobs:
+            for who, name in _rotated(jobs, r):
+                os.sync()  # the last run's dirty pages are written back now, not billed to this one
                 res = run_peer(args, name, root) if who == "ds" else run_ours(args, name, root)
                 results.setdefault(name, []).append(res)
                 print(f"round {r + 1}: {name:20} {res['total_s_median']:.3f} s/step", file=sys.stderr, flush=True)
+    _print_paired(results)
     summary = {name: {k: statistics.median([x[k] for x in runs]) for k in runs[0] if k.endswith("_median")}
                | {k: statistics.median([x[k] or 0 for x in runs])
                   for k in ("disk_read_mib_per_step", "disk_write_mib_per_step")} | {
@@ -261,6 +264,28 @@ def _orchestrate(args: argparse.Namespace, root: str) -> None:
         print(json.dumps(summary, indent=2))
         return
     _print_table(summary)
+
+
+def _rotated(jobs: list[tuple[str, str]], r: int) -> list[tuple[str, str]]:
+    """Round r starts one job later than round r - 1, so over len(jobs) rounds each config runs
+    once in each position: whichever runs right after DeepSpeed's 560 MiB of writes a step no
+    longer always the same one."""
+    k = r % len(jobs) if jobs else 0
+    return jobs[k:] + jobs[:k]
+
+
+def _print_paired(results: dict[str, list[dict[str, Any]]]) -> None:
+    """Each of our later configs against the first, round by round (minutes apart, so the
+    machine's drift over the run cancels), and their median."""
+    for _, ours in PAIRS:
+        if not ours or ours[0] not in results:
+            continue
+        for name in ours[1:]:
+            if name not in results:
+                continue
+            ratios = [x["total_s_median"] / t["total_s_median"] for x, t in zip(results[name], results[ours[0]])]
+            print(f"{name} / {ours[0]} by round: {' '.join(f'{q:.3f}' for q in ratios)}; "
+                  f"median {statistics.median(ratios):.3f}", file=sys.stderr, flush=True)
 
 
 def _print_table(summary: dict[str, dict[str, Any]]) -> None:
