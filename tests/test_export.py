@@ -82,6 +82,8 @@ def test_streamed_files_are_read_back_by_safetensors_bit_for_bit(tmp_path: Any) 
     for k, v in tensors.items():
         writer.take(k, v)
     writer.finish()
+    assert not any(name.endswith(".safetensors") for name in os.listdir(tmp_path))  # not before publish
+    writer.publish()
     back = saved_tensors(str(tmp_path))
     assert sorted(back) == sorted(tensors)
     for k, v in tensors.items():
@@ -179,6 +181,38 @@ def test_a_second_save_into_the_same_folder_leaves_no_stale_weights_file(tmp_pat
     save_pretrained(engine, out, max_shard_size="20KB")  # and back: an old model.safetensors would win
     assert "model.safetensors" not in os.listdir(out) and "model.safetensors.index.json" in os.listdir(out)
     assert LlamaForCausalLM.from_pretrained(out) is not None
+    engine.close()
+
+
+@pytest.mark.parametrize("shard", ["20KB", None], ids=["sharded", "one-file"])
+def test_a_save_that_fails_part_way_leaves_the_earlier_save_as_it_was(tmp_path: Any, shard: str | None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are written aside and renamed into place only once all are complete: a full disk
+    (or a crash) in the middle of a save over an earlier one neither truncates nor mixes it."""
+    engine = trained(tiny_llama(), {"stage": 0}, steps=1)
+    out = str(tmp_path / "saved")
+    kwargs = {} if shard is None else {"max_shard_size": shard}
+    save_pretrained(engine, out, **kwargs)
+    before = {name: (tmp_path / "saved" / name).read_bytes() for name in os.listdir(out)}
+    ids = Tokens(4, seed=1).ids
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()  # new weights: a save now changes the files
+    take, calls = export.SafetensorsWriter.take, []
+
+    def full_disk(self: Any, key: str, value: torch.Tensor) -> None:
+        calls.append(key)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        take(self, key, value)
+    monkeypatch.setattr(export.SafetensorsWriter, "take", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_pretrained(engine, out, **kwargs)
+    after = {name: (tmp_path / "saved" / name).read_bytes() for name in os.listdir(out)}
+    assert after == before  # the earlier save, byte for byte, and no .partial file left
+    monkeypatch.setattr(export.SafetensorsWriter, "take", take)
+    save_pretrained(engine, out, **kwargs)
+    assert {name for name in os.listdir(out)} == set(before)
+    assert any((tmp_path / "saved" / name).read_bytes() != data for name, data in before.items())
     engine.close()
 
 

@@ -19,7 +19,7 @@ an 8-byte header length, a JSON header giving each tensor's dtype, shape and byt
 bytes. Every shape and dtype is known before anything is read, so each file's header is written
 first and each tensor's bytes are appended as the tensor arrives: a file is never held whole in
 memory (transformers' default 50 GB shard would otherwise be the whole model), only one flat
-buffer is.
+buffer is. Files are written aside (`.partial`) and renamed into place once all are complete.
 
 Both are collectives: every rank gathers every flat buffer holding a wanted key, in the same
 order; the ranks told to write do. A rank whose read or write fails goes on gathering (writing
@@ -40,10 +40,12 @@ from torch import nn
 
 from zero_offload import comm
 from zero_offload.engine.runtime import FlatSource, ModelView, Runtime
+from zero_offload.engine.state.files import durable, fsync_path
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 50 * 10 ** 9  # transformers' save_pretrained default ("50GB")
+PARTIAL = ".partial"  # a file being written, renamed into place once the whole save is written
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -244,7 +246,11 @@ def header(entries: Sequence[tuple[str, Spec]], metadata: dict[str, str]) -> byt
 
 class SafetensorsWriter:
     """Writes planned files in order: a file's header when its first tensor comes (or at the end,
-    for an empty file), then each tensor's bytes as it comes, checked against the plan."""
+    for an empty file), then each tensor's bytes as it comes, checked against the plan.
+
+    Each file is written as `<name>.partial` and fsynced; only once every file is complete are
+    they renamed over an earlier save's (and its files this one does not replace removed), so a
+    save that fails or is cut off part way leaves the earlier save as it was, not truncated."""
 
     def __init__(self, directory: str, files: list[tuple[str, list[tuple[str, Spec]]]],
                  metadata: dict[str, str]) -> None:
@@ -253,25 +259,20 @@ class SafetensorsWriter:
         self._pos = 0
         self._file: BinaryIO | None = None
         self._opened = -1  # index of the last file opened
+        self._written: list[str] = []  # names whose .partial file is complete
+
+    def partial(self, name: str) -> str:
+        return os.path.join(self.directory, name + PARTIAL)
 
     def begin(self) -> None:
-        """Make the folder and remove the weights files of an earlier save this one does not
-        replace (an old single file would shadow new shards, old shards would be left over)."""
         os.makedirs(self.directory, exist_ok=True)
-        names = {name for name, _ in self.files}
-        sharded = len(self.files) > 1
-        for name in os.listdir(self.directory):
-            stale = (_SHARD_NAME.fullmatch(name) and name not in names) or (name == WEIGHTS_NAME and sharded) \
-                or (name == INDEX_NAME and not sharded)
-            if stale and os.path.isfile(os.path.join(self.directory, name)):
-                os.remove(os.path.join(self.directory, name))
 
     def _open(self, index: int) -> None:
         while self._opened < index:
             self._close_file()
             self._opened += 1
             name, entries = self.files[self._opened]
-            self._file = open(os.path.join(self.directory, name), "wb")
+            self._file = open(self.partial(name), "wb")
             self._file.write(header(entries, self.metadata))
 
     def take(self, key: str, value: torch.Tensor) -> None:
@@ -292,14 +293,45 @@ class SafetensorsWriter:
         self._open(len(self.files) - 1)  # files left with no tensor at all
         self._close_file()
 
+    def add_written(self, name: str) -> None:
+        """A file written by the caller as `partial(name)` (the index) to publish with the rest."""
+        self._written.append(name)
+
+    def publish(self) -> None:
+        """Every complete file renamed into place, then the earlier save's files this one does not
+        replace removed (an old single file would shadow new shards, old shards would be left
+        over), the folder fsynced."""
+        for name in self._written:
+            os.replace(self.partial(name), os.path.join(self.directory, name))
+        names, sharded = set(self._written), len(self.files) > 1
+        for name in os.listdir(self.directory):
+            stale = (_SHARD_NAME.fullmatch(name) and name not in names) or (name == WEIGHTS_NAME and sharded) \
+                or (name == INDEX_NAME and not sharded)
+            if stale and os.path.isfile(os.path.join(self.directory, name)):
+                os.remove(os.path.join(self.directory, name))
+        self._written = []
+        fsync_path(self.directory)
+
     def _close_file(self) -> None:
+        if self._file is not None:
+            f, self._file = self._file, None
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            finally:
+                f.close()
+            self._written.append(self.files[self._opened][0])
+
+    def abandon(self) -> None:
+        """After a failure: the open file closed and every .partial file of this save removed."""
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def abandon(self) -> None:
-        """After a failure: the open file is closed (what was written stays, incomplete)."""
-        self._close_file()
+        for name, _ in self.files:
+            if os.path.exists(self.partial(name)):
+                os.remove(self.partial(name))
+        if os.path.exists(self.partial(INDEX_NAME)):
+            os.remove(self.partial(INDEX_NAME))
 
 
 def save_safetensors(rt: Runtime, model: ModelView, directory: str, keys: Sequence[str] | None = None, *,
@@ -322,7 +354,9 @@ def save_safetensors(rt: Runtime, model: ModelView, directory: str, keys: Sequen
     def end() -> None:
         writer.finish()
         if len(files) > 1:
-            _write_index(directory, entries, weight_map, model.module, index_metadata)
+            _write_index(writer.partial(INDEX_NAME), entries, weight_map, model.module, index_metadata)
+            writer.add_written(INDEX_NAME)
+        writer.publish()
 
     try:
         if write:
@@ -334,11 +368,11 @@ def save_safetensors(rt: Runtime, model: ModelView, directory: str, keys: Sequen
     return weight_map
 
 
-def _write_index(directory: str, entries: list[tuple[str, Spec]], weight_map: dict[str, str], module: nn.Module,
+def _write_index(path: str, entries: list[tuple[str, Spec]], weight_map: dict[str, str], module: nn.Module,
                  extra: dict[str, Any] | None) -> None:
     """model.safetensors.index.json as transformers writes it (sorted keys, two-space indent)."""
     params = {n for n, _ in module.named_parameters()}
     metadata = {"total_size": sum(s.nbytes for _, s in entries),
                 "total_parameters": sum(s.shape.numel() for k, s in entries if k in params), **(extra or {})}
-    with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as f:
+    with durable(path, "w") as f:
         f.write(json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
