@@ -10,6 +10,9 @@
   the first block and returned by every later one. Block units failed at the first backward with
   "unit ... is needed for backward again after its gradients were reduced" (the passed-through
   output's node is the first block's, whose gradient comes last).
+- A root returning, beside its loss, what its inner units computed (CLIPModel's pooled outputs):
+  that output's gradient comes after the root's own parameter (logit_scale) reported, and was
+  refused as "unit '<root>' is needed for backward again"; its gradient reaches none of them.
 - Gradient checkpointing on a tiny Llama and T5, reentrant and not.
 """
 from __future__ import annotations
@@ -324,6 +327,76 @@ def test_t5_position_bias_passed_through_blocks_trains_like_adamw(kind: str, uni
     weights = engine.consolidated_state_dict()
     engine.close()
     check_matches(losses, weights, *adamw_reference(ref, batches, lambda out: out.loss), f"{kind} {units}")
+
+
+class _PooledRoot(nn.Module):
+    """CLIP's shape in plain torch: the root owns a parameter (CLIP's logit_scale) read by the
+    loss, and also returns a tensor its own forward computed from an inner unit's output (the
+    pooled output), whose gradient comes after the root's parameter has reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        pooled = h[:, 0:6].sum(-1, keepdim=True) * h  # computed here, from the last layer's output
+        return (self.head(pooled) * self.scale.exp()).pow(2).mean(), pooled
+
+
+def _clip() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=8),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=8, patch_size=4), projection_dim=8))
+
+
+@pytest.mark.parametrize("kind", ["plain", "clip"])
+def test_a_root_returning_what_inner_units_computed_beside_its_loss_trains_like_adamw(kind: str) -> None:
+    """The default units: the root's unit (its own parameter) is reduced when that parameter
+    reports, and the gradient of the pooled output comes later. That output was taken for a need
+    of the root's weights: "unit '<root>' is needed for backward again after its gradients were
+    reduced", on CLIPModel and on the plain model alike. Its gradient reaches none of them."""
+    import zero_offload
+
+    model = _PooledRoot() if kind == "plain" else _clip()
+    ref = copy.deepcopy(model)
+    engine = zero_offload.initialize(model, {"stage": 3, "tiers": CPU, "optimizer": {"lr": LR, "weight_decay": WD}})
+    if kind == "plain":
+        batches = [{"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(s))} for s in range(STEPS)]
+        loss_of: Callable[[Any], torch.Tensor] = lambda out: out[0]
+    else:
+        gens = [torch.Generator().manual_seed(s) for s in range(STEPS)]
+        batches = [{"input_ids": torch.randint(0, VOCAB, (2, 6), generator=g),
+                    "pixel_values": torch.randn(2, 3, 8, 8, generator=g), "return_loss": True} for g in gens]
+        loss_of = lambda out: out.loss
+    losses = train_engine(engine, batches, loss_of) if kind == "plain" else _train_clip(engine, batches)
+    weights = engine.consolidated_state_dict()
+    engine.close()
+    want_losses, want = adamw_reference(ref, batches, loss_of)
+    # Softmax is invariant to a key bias: its true gradient is zero, the computed one rounding noise,
+    # which Adam scales up to lr-sized steps in either implementation (see _zoo_models.NOISE).
+    noise = [k for k in want if k.endswith("k_proj.bias")]
+    check_matches(losses, {k: v for k, v in weights.items() if k not in noise}, want_losses,
+                  {k: v for k, v in want.items() if k not in noise}, kind)
+
+
+def _train_clip(engine: Any, batches: list[dict[str, Any]]) -> list[float]:
+    """train_engine at D = 1 for a batch that holds a flag (CLIP's return_loss) beside tensors."""
+    losses = []
+    for b in batches:
+        loss = engine(**b).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _tiny_llama() -> tuple[nn.Module, str]:

@@ -14,6 +14,9 @@ or a view of one, returned as it came: T5's position bias, made by the first blo
 by every later one) is skipped: its node is an earlier module's, whose gradient comes only after
 this module's backward, and it needs none of this module's weights. So is a parameter returned
 (a module handing its weight to its caller): whoever reads it gathers its unit.
+An output whose gradient can no longer reach the unit's trainable parameters once they have
+all reported (a root returning what an inner unit computed: CLIP's pooled outputs beside its
+loss) asks for nothing: see `reaches`.
 Backward, "done": a post-accumulate-grad hook on every trainable parameter fires once per backward
 (autograd sums every use of a parameter first), so a unit whose trainable parameters have all
 reported has its gradients. A unit with frozen parameters needs its weights until the gradient of
@@ -40,7 +43,7 @@ class HookTarget(Protocol):
     def units_of(self, module: nn.Module) -> tuple[Unit, ...]: ...
     def forward_enter(self, module: nn.Module, units: Sequence[Unit], watch: "InputWatch | None") -> None: ...
     def forward_exit(self, module: nn.Module, units: Sequence[Unit]) -> tuple[Unit, ...]: ...
-    def backward_enter(self, module: nn.Module, units: Sequence[Unit]) -> None: ...
+    def backward_enter(self, module: nn.Module, units: Sequence[Unit], node: Any) -> None: ...
     def inputs_grad(self, units: Sequence[Unit]) -> None: ...
     def param_grad(self, unit: Unit, param: torch.Tensor) -> None: ...
     def wants_inputs_grad(self, units: Sequence[Unit]) -> bool: ...
@@ -188,19 +191,20 @@ def _post_hook(target: HookTarget, open_calls: list[_Call]) -> Callable[[nn.Modu
             call.watch.settle()
         used = target.forward_exit(module, call.units)  # with any unit found read during the call
         if torch.is_grad_enabled():
-            _hook_outputs(output, call.inputs, lambda *_: target.backward_enter(module, used))
+            _hook_outputs(output, call.inputs, lambda node: target.backward_enter(module, used, node))
     return hook
 
 
-def _hook_outputs(output: Any, inputs: dict[int, Any], on_output_grad: Callable[..., None]) -> None:
-    """`on_output_grad` before the backward of each output this call computed."""
+def _hook_outputs(output: Any, inputs: dict[int, Any], on_output_grad: Callable[[Any], None]) -> None:
+    """`on_output_grad(node)` before the backward of each output this call computed (`node` the
+    output's autograd node, None for a leaf)."""
     nodes: set[int] = set()
     for t in _tensors(output):
         if not t.requires_grad or _passed_through(t, inputs):
             continue
         if t.grad_fn is None:
             if not isinstance(t, nn.Parameter):  # a parameter returned: its readers gather its unit
-                t.register_hook(on_output_grad)
+                t.register_hook(lambda grad: on_output_grad(None))
             continue
         # Pre-hooks of the node, not a hook of the tensor: the tensor is often the next
         # module's input, whose watch lets that module's units go, and a node's pre-hooks
@@ -210,7 +214,32 @@ def _hook_outputs(output: Any, inputs: dict[int, Any], on_output_grad: Callable[
         for node in (t.grad_fn, base.grad_fn if base is not None else None):
             if node is not None and id(node) not in nodes:
                 nodes.add(id(node))
-                node.register_prehook(on_output_grad)
+                node.register_prehook(lambda grads, node=node: on_output_grad(node))
+
+
+# How many autograd nodes `reaches` walks before it answers yes, to stay cheap on any graph.
+REACH_LIMIT = 100_000
+
+
+def reaches(node: Any, params: Sequence[torch.Tensor]) -> bool:
+    """Whether a gradient flowing into `node` can still reach one of `params`: a path of
+    next_functions to the AccumulateGrad node of one (None, a leaf's node, reaches only itself).
+    Yes when unsure (more than REACH_LIMIT nodes), so a caller that refuses on yes errs safe."""
+    wanted = {id(p) for p in params}
+    seen: set[int] = set()
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > REACH_LIMIT:
+            return True
+        variable = getattr(n, "variable", None)  # AccumulateGrad: a leaf's gradient sink
+        if variable is not None and id(variable) in wanted:
+            return True
+        stack.extend(next_node for next_node, _ in n.next_functions)
+    return False
 
 
 # Reads of a tensor's metadata only: right while its unit is sharded (dtype, device: Hugging

@@ -429,7 +429,9 @@ class Stage3Runtime(RuntimeBase):
             self._segment_start()
         return used
 
-    def backward_enter(self, module: nn.Module, units: Sequence[Unit]) -> None:
+    def backward_enter(self, module: nn.Module, units: Sequence[Unit], node: Any = None) -> None:
+        """An output of `module` (its autograd node `node`) is about to get its gradient: its units
+        are gathered for its backward, unless finished."""
         self._require_engine_backward()
         self._segment_end()
         attached = self._attached.get(module, ())
@@ -438,6 +440,8 @@ class Stage3Runtime(RuntimeBase):
             # A unit read by this module is done once its own gradient is: this module's backward may
             # come later (a read under no_grad), and needs none of its gradient then.
             if rec.finished and u.trainable is not None and u not in attached:
+                if len(u.groups) == 1 and not hooks.reaches(node, u.trainable.params):
+                    continue  # this output was computed by other units: its gradient adds nothing here
                 raise RuntimeError(_TWICE.format(unit=u.name, what="is needed for backward again"))
             if not rec.held and not rec.finished:
                 rec.hold()
