@@ -13,6 +13,8 @@
 - A root returning, beside its loss, what its inner units computed (CLIPModel's pooled outputs):
   that output's gradient comes after the root's own parameter (logit_scale) reported, and was
   refused as "unit '<root>' is needed for backward again"; its gradient reaches none of them.
+- A reversible layer (Reformer's) that runs its modules again in a backward method of its own:
+  one line names the units that work (torch failed inside layer_norm), and they train.
 - Gradient checkpointing on a tiny Llama and T5, reentrant and not.
 """
 from __future__ import annotations
@@ -397,6 +399,47 @@ def _train_clip(engine: Any, batches: list[dict[str, Any]]) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+def _reformer() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.ReformerModelWithLMHead(transformers.ReformerConfig(
+        vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, attention_head_size=8, feed_forward_size=32,
+        attn_layers=["local", "local"], axial_pos_embds=False, is_decoder=True, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, local_attn_chunk_length=4,
+        max_position_embeddings=16, pad_token_id=0))
+
+
+def test_a_reversible_layer_running_its_modules_in_its_own_backward_names_the_units_that_work() -> None:
+    """Reformer's layers are reversible: their backward recomputes the attention and the feed-forward
+    from the layer's outputs in a method of its own (backward_pass), so the layer's forward, around
+    which its unit is gathered, does not run then. With the default units torch failed inside
+    layer_norm ("weight of shape [0]"); now one line names the units that work, and with them the
+    model trains as under AdamW."""
+    import zero_offload
+
+    engine = zero_offload.initialize(_reformer(), {"stage": 3, "tiers": CPU})
+    batch = _reformer_batch(0)
+    with pytest.raises(RuntimeError, match=r"ran in backward while its unit 'reformer\.encoder\.layers\.1' was not "
+                                           r"gathered: .*unit_modules=\['ReformerAttention', 'ChunkReformerFeedForward'\]"):
+        engine.backward(engine(**batch).loss)
+    engine.close()
+    model = _reformer()
+    ref = copy.deepcopy(model)
+    engine = zero_offload.initialize(model, {"stage": 3, "tiers": CPU, "optimizer": {"lr": LR, "weight_decay": WD},
+                                             "stage3": {"unit_modules": ["ReformerAttention", "ChunkReformerFeedForward"]}})
+    batches = [_reformer_batch(s) for s in range(3)]
+    losses = train_engine(engine, batches, lambda out: out.loss)
+    weights = engine.consolidated_state_dict()
+    engine.close()
+    check_matches(losses, weights, *adamw_reference(ref, batches, lambda out: out.loss), "reformer")
+
+
+def _reformer_batch(step: int) -> dict[str, torch.Tensor]:
+    """Its sequence a multiple of the local attention's chunk length (4), as Reformer requires."""
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": ids, "labels": ids}
 
 
 def _tiny_llama() -> tuple[nn.Module, str]:

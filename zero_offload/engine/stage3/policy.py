@@ -30,9 +30,9 @@ embedding's weight) also uses that unit, and so does a module registered twice, 
 is what must be gathered at once while it runs: its units plus every enclosing unit; the live
 budget must cover the largest.
 
-What no rule can see is checked when it happens: `RootCheck` stops the first forward at the first
-module that runs while its unit is not gathered (its root's forward never ran), in one line that
-names the classes that did run.
+What no rule can see is checked when it happens: `RootCheck` stops the first forward (or the
+first backward) at the first module that runs while its unit is not gathered (its root's forward
+never ran, or a method other than that forward called it), in one line that names a fix.
 """
 from __future__ import annotations
 
@@ -261,28 +261,33 @@ def _drop_empty(units: list[UnitPlan], users: dict[nn.Module, tuple[int, ...]],
 
 
 class RootCheck:
-    """The first forward, watched: a module that runs while a unit holding its own parameters is
-    not gathered found them empty (torch would fail inside the op, e.g. "'weight' must be 2-D"),
-    because that unit's root never ran its forward: a module above it called into it directly,
-    past the root (PeftModel calls the model inside its LoraModel). Refused in one line naming
-    the unit and the classes below its root that did run. Removed once a forward completes."""
+    """The first forward and the first backward, watched: a module that runs while a unit holding
+    its own parameters is not gathered found them empty (torch would fail inside the op, e.g.
+    "'weight' must be 2-D"). In forward, that unit's root never ran its forward: a module above it
+    called into it directly, past the root (PeftModel calls the model inside its LoraModel). In
+    backward, a method other than the root's forward called it (a reversible layer's own backward,
+    as Reformer's, runs its sub-modules again). Refused in one line naming the unit and the units
+    that would work. Removed once a backward completes (`backward_done`)."""
 
-    def __init__(self, model: nn.Module, plan: Plan, gathered: Callable[[int], bool], named: bool) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, gathered: Callable[[int], bool], named: bool,
+                 in_backward: Callable[[], bool] = lambda: False) -> None:
         self.plan, self.gathered, self.named = plan, gathered, named  # named: by stage3.unit_modules
+        self.in_backward = in_backward
         owner = {id(p): i for i, u in enumerate(plan.units) for _, p in u.params}
         self.ran: set[int] = set()
         self.handles: list[RemovableHandle] = []
         for name, m in model.named_modules():
             units = sorted({owner[id(p)] for p in m._parameters.values() if p is not None and id(p) in owner})
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(name, units)))
-        self.handles.append(model.register_forward_hook(lambda *_: self.remove()))
 
     def _pre_hook(self, name: str, units: list[int]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self.ran.add(id(module))
             for i in units:
                 if not self.gathered(i):
-                    raise RuntimeError(self._message(name, module, self.plan.units[i]))
+                    unit = self.plan.units[i]
+                    raise RuntimeError(self._in_backward(name, module, unit) if self.in_backward()
+                                       else self._message(name, module, unit))
         return hook
 
     def _message(self, name: str, module: nn.Module, unit: UnitPlan) -> str:
@@ -299,6 +304,18 @@ class RootCheck:
                 "ran (a module above it calls into it directly); make units of modules that run, e.g. "
                 f"stage3.unit_modules=['{type(ran or module).__name__}']"
                 + (" (or none, for zero_offload's choice)" if self.named else ""))
+
+    def _in_backward(self, name: str, module: nn.Module, unit: UnitPlan) -> str:
+        kids = [type(c).__name__ for c in unit.module.children() if _holds_params(c)] or [type(module).__name__]
+        return (f"stage 3: '{name}' ({type(module).__name__}) ran in backward while its unit "
+                f"'{unit.name or '<root>'}' was not gathered: a method of '{unit.name or 'the model'}' "
+                f"({type(unit.module).__name__}) other than its forward calls it there (a reversible layer's own "
+                "backward does); make units of the modules that method calls, e.g. "
+                f"stage3.unit_modules={list(dict.fromkeys(kids))}")
+
+    def backward_done(self) -> None:
+        """A backward completed: every way into the units has been seen once."""
+        self.remove()
 
     def remove(self) -> None:
         for h in self.handles:

@@ -154,7 +154,8 @@ class Stage3Runtime(RuntimeBase):
             self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
             self._handles += [m.register_state_dict_pre_hook(self._guard_state_dict) for m in self.users]
             self._root_check = RootCheck(model, plan, lambda i: self.units[i].state is UnitState.GATHERED,
-                                         named=bool(config.stage3.unit_modules))
+                                         named=bool(config.stage3.unit_modules),
+                                         in_backward=lambda: self.stage is PassStage.BACKWARD)
             # After the model's post-hook, and also when its forward raises: the read watch ends there.
             self._handles.append(model.register_forward_hook(self._forward_done, always_call=True))
             self.accumulator = Accumulator.on_grads_tier(config, self.device, self.rank,
@@ -584,6 +585,9 @@ class Stage3Runtime(RuntimeBase):
         leaked = [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
         if leaked:
             raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
+        if self._root_check is not None:
+            self._root_check.backward_done()
+            self._root_check = None
         if self.boundary:
             self._step_incomplete()
         self._end_pass()
