@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Try architectures beyond the test zoo's against torch.optim.AdamW, as the zoo does.
+
+Each model is built tiny and random from its transformers config class (no hub access), trained a
+few steps at stage 0, stage 2 (optimizer on cpu) and stage 3 (parameters and optimizer on nvme)
+with the zoo's configs (default, scaled, the DeepSpeed form), and compared with AdamW on an
+identical copy by tests/test_zoo.py's own check. A row that fails names the error; a failure of
+the harness itself (a config this transformers version refuses) says REFERENCE FAILED. The zoo's
+comparison refuses a run where more than 1% of the model's elements had a noise-sized gradient
+("noise elements"): equal losses with that message are the harness's limit, not a defect.
+
+    python scripts/zoo_sweep.py                      # every architecture below
+    python scripts/zoo_sweep.py clip reformer --forms 3-default
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+FORMS = ("0-default", "2-default", "3-default", "3-scaled", "3-deepspeed")
+
+
+def _models(T: Any, V: int) -> dict[str, Callable[[], Any]]:
+    c = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=V, max_position_embeddings=64)
+
+    def lm(cls: Any, cfg: Any, **kw: Any) -> Callable[[], Any]:
+        return lambda: cls(cfg(**kw))
+    return {
+        "gemma2": lm(T.Gemma2ForCausalLM, T.Gemma2Config, **c, head_dim=8),
+        "gemma3": lm(T.Gemma3ForCausalLM, T.Gemma3TextConfig, **c, head_dim=8),
+        "phi3": lm(T.Phi3ForCausalLM, T.Phi3Config, **c, pad_token_id=0),
+        "olmo2": lm(T.Olmo2ForCausalLM, T.Olmo2Config, **c),
+        "gptneox": lm(T.GPTNeoXForCausalLM, T.GPTNeoXConfig, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, vocab_size=V, max_position_embeddings=64),
+        "falcon": lm(T.FalconForCausalLM, T.FalconConfig, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=V, hidden_dropout=0.0, attention_dropout=0.0),
+        "bloom": lm(T.BloomForCausalLM, T.BloomConfig, hidden_size=32, n_layer=2, n_head=4, vocab_size=V,
+                    hidden_dropout=0.0, attention_dropout=0.0),
+        "gptj": lm(T.GPTJForCausalLM, T.GPTJConfig, n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64,
+                   rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "opt": lm(T.OPTForCausalLM, T.OPTConfig, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=V, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0),
+        "qwen3moe": lm(T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, **c, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, decoder_sparse_step=1),
+        "olmoe": lm(T.OlmoeForCausalLM, T.OlmoeConfig, **c, num_experts=4, num_experts_per_tok=2),
+        "granitemoe": lm(T.GraniteMoeForCausalLM, T.GraniteMoeConfig, **c, num_local_experts=4, num_experts_per_tok=2),
+        "deepseekv3": lm(T.DeepseekV3ForCausalLM, T.DeepseekV3Config, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         vocab_size=V, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                         topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8),
+        "jamba": lm(T.JambaForCausalLM, T.JambaConfig, **c, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+                    attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4,
+                    mamba_expand=2, use_mamba_kernels=False),
+        "mamba": lm(T.MambaForCausalLM, T.MambaConfig, hidden_size=32, num_hidden_layers=2, vocab_size=V, state_size=4,
+                    expand=2, conv_kernel=4),
+        "recurrent_gemma": lm(T.RecurrentGemmaForCausalLM, T.RecurrentGemmaConfig, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                              lru_width=32, attention_window_size=16, block_types=["recurrent", "attention"], head_dim=8),
+        "reformer": lm(T.ReformerModelWithLMHead, T.ReformerConfig, vocab_size=V, hidden_size=16, num_attention_heads=2,
+                       attention_head_size=8, feed_forward_size=32, attn_layers=["local", "local"], axial_pos_embds=False,
+                       is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       local_attention_probs_dropout_prob=0.0, local_attn_chunk_length=4, max_position_embeddings=64,
+                       pad_token_id=0),
+        "bart": lm(T.BartForConditionalGeneration, T.BartConfig, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                   encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=V,
+                   max_position_embeddings=64, dropout=0.0),
+        "whisper": lm(T.WhisperForConditionalGeneration, T.WhisperConfig, vocab_size=V, num_mel_bins=8, d_model=32,
+                      encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                      encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16, max_target_positions=16,
+                      dropout=0.0, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      suppress_tokens=None, begin_suppress_tokens=None),
+        "roberta": lm(T.RobertaForMaskedLM, T.RobertaConfig, vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0),
+        "deberta_v2": lm(T.DebertaV2ForMaskedLM, T.DebertaV2Config, vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, relative_attention=True, position_buckets=8),
+        "modernbert": lm(T.ModernBertForMaskedLM, T.ModernBertConfig, vocab_size=V, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+                         mask_token_id=3, reference_compile=False),
+        "wav2vec2": lm(T.Wav2Vec2ForCTC, T.Wav2Vec2Config, vocab_size=V, hidden_size=16, num_hidden_layers=2,
+                       num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8), conv_stride=(2, 2), conv_kernel=(3, 3),
+                       num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                       layerdrop=0.0, mask_time_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0),
+        "convnext": lm(T.ConvNextForImageClassification, T.ConvNextConfig, num_stages=2, hidden_sizes=[8, 16],
+                       depths=[1, 1], num_labels=5, image_size=32),
+        "swin": lm(T.SwinForImageClassification, T.SwinConfig, image_size=32, patch_size=4, embed_dim=8, depths=[1, 1],
+                   num_heads=[2, 2], window_size=4, num_labels=5, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
+        "clip": lm(T.CLIPModel, T.CLIPConfig, projection_dim=16,
+                   text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=16),
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      image_size=16, patch_size=4)),
+        "llava": lambda: T.LlavaForConditionalGeneration(T.LlavaConfig(
+            text_config=T.LlamaConfig(**c), image_token_index=V - 1, projector_hidden_act="gelu",
+            vision_config=T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, image_size=8, patch_size=4), vision_feature_layer=-1)),
+        "blip2": lambda: T.Blip2ForConditionalGeneration(T.Blip2Config(
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=8, patch_size=4),
+            qformer_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                encoder_hidden_size=16, vocab_size=V, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0),
+            text_config=T.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=V,
+                                    word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0,
+                                    attention_dropout=0.0).to_dict(),
+            num_query_tokens=4, image_token_index=V - 1)),
+    }
+
+
+def _batches(zoo: Any, torch: Any, V: int) -> dict[str, Callable[[int, int], dict]]:
+    def speech(step: int, rows: int) -> dict:
+        g = zoo._gen(step)
+        return {"input_values": torch.randn(rows, 200, generator=g), "labels": torch.randint(1, V, (rows, 6), generator=g)}
+
+    def audio(step: int, rows: int) -> dict:
+        g = zoo._gen(step)
+        return {"input_features": torch.randn(rows, 8, 32, generator=g),
+                "labels": torch.randint(3, V, (rows, 4), generator=g)}
+
+    def pairs(step: int, rows: int) -> dict:
+        g = zoo._gen(step)
+        return {"input_ids": torch.randint(0, V, (rows, 8), generator=g),
+                "pixel_values": torch.randn(rows, 3, 16, 16, generator=g)}
+
+    def image_text(first: int, count: int) -> Callable[[int, int], dict]:
+        def make(step: int, rows: int) -> dict:
+            g = zoo._gen(step)
+            ids = torch.randint(0, V - 1, (rows, 10), generator=g)
+            ids[:, first:first + count] = V - 1  # the image tokens
+            return {"input_ids": ids, "pixel_values": torch.randn(rows, 3, 8, 8, generator=g), "labels": ids.clone()}
+        return make
+
+    def chunked(step: int, rows: int) -> dict:  # Reformer: a multiple of its chunk length
+        ids = torch.randint(1, V, (rows, 8), generator=zoo._gen(step))
+        return {"input_ids": ids, "labels": ids.clone()}
+    return {"bart": zoo.tokens_seq2seq, "roberta": zoo.tokens_mlm, "deberta_v2": zoo.tokens_mlm,
+            "modernbert": zoo.tokens_mlm, "convnext": zoo.images(32, 5), "swin": zoo.images(32, 5), "whisper": audio,
+            "wav2vec2": speech, "clip": pairs, "llava": image_text(1, 4), "blip2": image_text(0, 4), "reformer": chunked}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", help="architectures (default: all)")
+    p.add_argument("--forms", default=",".join(FORMS), help=f"stage-form pairs, comma-separated, of {FORMS}")
+    p.add_argument("--workdir", default=None, help="folder for the nvme tier (default: a temp dir)")
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+
+    import _zoo_models as zoo
+    import test_zoo as tz
+
+    torch.set_num_threads(1)
+    models, batches = _models(transformers, zoo.VOCAB), _batches(zoo, torch, zoo.VOCAB)
+    names = args.names or list(models)
+    unknown = sorted(set(names) - set(models))
+    if unknown:
+        p.error(f"unknown architectures {unknown}; choose from {sorted(models)}")
+    for name in names:
+        loss = (lambda f, b: f(**b, return_loss=True).loss) if name == "clip" else zoo.hf_loss
+        zoo.CASES[name] = zoo.Case(name, zoo._seeded(models[name]), batches.get(name, zoo.tokens_lm), loss)
+    for name in names:
+        for form in args.forms.split(","):
+            stage, kind = int(form.split("-")[0]), form.split("-")[1]
+            print(f"{name:16} {form:12} {_run(tz, name, stage, kind, args.workdir)}", flush=True)
+
+
+def _run(tz: Any, name: str, stage: int, kind: str, workdir: str | None) -> str:
+    try:
+        ref = tz.reference(name, kind)
+    except Exception as exc:
+        return f"REFERENCE FAILED {type(exc).__name__}: {str(exc)[:200]}"
+    with tempfile.TemporaryDirectory(dir=workdir) as d:
+        try:
+            losses, state = tz.run_engine(name, tz.config_for(kind, stage, d))
+            tz.check_against(name, losses, state, ref)
+        except Exception as exc:
+            return f"FAIL {type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:2])[:300]}"
+    return "ok"
+
+
+if __name__ == "__main__":
+    main()
