@@ -11,6 +11,7 @@ comparison refuses a run where more than 1% of the model's elements had a noise-
 
     python scripts/zoo_sweep.py                      # every architecture below
     python scripts/zoo_sweep.py clip reformer --forms 3-default
+    python scripts/zoo_sweep.py deepseekv3 clip --dp 2 --forms 2-default,3-scaled
 """
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ def main() -> None:
     p.add_argument("names", nargs="*", help="architectures (default: all)")
     p.add_argument("--forms", default=",".join(FORMS), help=f"stage-form pairs, comma-separated, of {FORMS}")
     p.add_argument("--workdir", default=None, help="folder for the nvme tier (default: a temp dir)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (gloo, spawned under a timeout)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     import torch
@@ -163,18 +165,56 @@ def main() -> None:
     import test_zoo as tz
 
     torch.set_num_threads(1)
-    models, batches = _models(transformers, zoo.VOCAB), _batches(zoo, torch, zoo.VOCAB)
-    names = args.names or list(models)
-    unknown = sorted(set(names) - set(models))
+    names = args.names or list(_models(transformers, zoo.VOCAB))
+    unknown = sorted(set(names) - set(_models(transformers, zoo.VOCAB)))
     if unknown:
-        p.error(f"unknown architectures {unknown}; choose from {sorted(models)}")
-    for name in names:
-        loss = (lambda f, b: f(**b, return_loss=True).loss) if name == "clip" else zoo.hf_loss
-        zoo.CASES[name] = zoo.Case(name, zoo._seeded(models[name]), batches.get(name, zoo.tokens_lm), loss)
+        p.error(f"unknown architectures {unknown}; choose from {sorted(_models(transformers, zoo.VOCAB))}")
+    if args.dp > 1:
+        from _dist import run_ranks
+
+        run_ranks(_rank, args.dp, timeout=1800, names=tuple(names), forms=tuple(args.forms.split(",")))
+        return
+    _register(names)
     for name in names:
         for form in args.forms.split(","):
             stage, kind = int(form.split("-")[0]), form.split("-")[1]
             print(f"{name:16} {form:12} {_run(tz, name, stage, kind, args.workdir)}", flush=True)
+
+
+def _register(names: list[str] | tuple[str, ...]) -> None:
+    """The architectures as cases of the zoo (tests/_zoo_models.CASES), in this process."""
+    import torch
+    import transformers
+
+    import _zoo_models as zoo
+
+    models, batches = _models(transformers, zoo.VOCAB), _batches(zoo, torch, zoo.VOCAB)
+    for name in names:
+        loss = (lambda f, b: f(**b, return_loss=True).loss) if name == "clip" else zoo.hf_loss
+        zoo.CASES[name] = zoo.Case(name, zoo._seeded(models[name]), batches.get(name, zoo.tokens_lm), loss)
+
+
+def _rank(rank: int, world: int, names: tuple[str, ...], forms: tuple[str, ...]) -> None:
+    """One rank of a --dp run: test_zoo's own D > 1 case on each architecture and form; rank 0
+    prints the rows."""
+    import torch
+
+    import test_zoo as tz
+    from zero_offload import comm
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    _register(names)
+    for name in names:
+        for form in forms:
+            stage, kind = int(form.split("-")[0]), form.split("-")[1]
+            try:
+                tz._rank_case(name, stage, kind, rank, world, comm)
+                row = "ok"
+            except Exception as exc:
+                row = f"FAIL {type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:2])[:300]}"
+            if rank == 0:
+                print(f"{name:16} {form:12} D={world} {row}", flush=True)
 
 
 def _run(tz: Any, name: str, stage: int, kind: str, workdir: str | None) -> str:
