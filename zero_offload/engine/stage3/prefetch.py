@@ -32,6 +32,10 @@ from zero_offload import comm
 from zero_offload.engine.stage3.unit import Unit, UnitState
 
 
+# A unit under 1/SMALL_UNIT of another's bytes takes no place in the window that decides whether
+# that other is kept (Prefetcher.release).
+SMALL_UNIT = 16
+
 _REDUCE_HINT = (", and a parameter must get a gradient on every rank or on none (multiply an unused one by 0 "
                 "into the loss)")
 
@@ -201,8 +205,13 @@ class Prefetcher:
             unit.finish_gather()
 
     def release(self, unit: Unit) -> None:
-        """Done with `unit` for now; it stays gathered if the record says it is used again next."""
-        if unit.index in self.schedule.upcoming(self.depth, lambda i: i != unit.index and self._held(i)):
+        """Done with `unit` for now; it stays gathered if the record says it is used again next.
+        Units far smaller than it do not use up the window here (a final norm of 4 KiB between the
+        last blocks and the backward would push the last block but one out): keeping costs budget
+        only, which a fetch that needs it takes back."""
+        def free(i: int) -> bool:
+            return i != unit.index and (self._held(i) or self.units[i].nbytes * SMALL_UNIT < unit.nbytes)
+        if unit.index in self.schedule.upcoming(self.depth, free):
             self.prefetched.insert(0, unit)
             return
         unit.release()
