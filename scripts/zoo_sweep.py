@@ -165,10 +165,11 @@ def main() -> None:
     import test_zoo as tz
 
     torch.set_num_threads(1)
-    names = args.names or list(_models(transformers, zoo.VOCAB))
-    unknown = sorted(set(names) - set(_models(transformers, zoo.VOCAB)))
+    known = list(_models(transformers, zoo.VOCAB))
+    names = args.names or known
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        p.error(f"unknown architectures {unknown}; choose from {sorted(_models(transformers, zoo.VOCAB))}")
+        p.error(f"unknown architectures {unknown}; choose from {sorted(known)}")
     if args.dp > 1:
         from _dist import run_ranks
 
@@ -212,7 +213,7 @@ def _rank(rank: int, world: int, names: tuple[str, ...], forms: tuple[str, ...])
                 tz._rank_case(name, stage, kind, rank, world, comm)
                 row = "ok"
             except Exception as exc:
-                row = f"FAIL {type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:2])[:300]}"
+                row = _failure(exc)
             if rank == 0:
                 print(f"{name:16} {form:12} D={world} {row}", flush=True)
 
@@ -227,8 +228,13 @@ def _run(tz: Any, name: str, stage: int, kind: str, workdir: str | None) -> str:
             losses, state = tz.run_engine(name, tz.config_for(kind, stage, d))
             tz.check_against(name, losses, state, ref)
         except Exception as exc:
-            return f"FAIL {type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:2])[:300]}"
+            return _failure(exc)
     return "ok"
+
+
+def _failure(exc: Exception) -> str:
+    """A row's verdict for a failed run: the error's type and its first two lines."""
+    return f"FAIL {type(exc).__name__}: {' | '.join(str(exc).strip().splitlines()[:2])[:300]}"
 
 
 if __name__ == "__main__":

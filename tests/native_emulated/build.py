@@ -1,6 +1,7 @@
 """Build the native library with its AVX-512 path emulated on an AVX2 host (tests only).
 
-Every file of native/ is compiled as the package's build compiles it, except two:
+Every file of native/ is compiled with the package's flags (setup.py's; the AVX2 ones for all),
+except two:
 adam_avx512.cpp gets avx512_on_avx2.h force-included (SIMDe's AVX-512 over AVX2 halves), and
 cpuid.cpp's zo_cpu_features is renamed so that cpuid_avx512.cpp can add the AVX-512 bits. The
 dispatcher, the ABI and the Python side are the real ones; zero_offload loads the result through
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -20,9 +22,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 NATIVE = os.path.join(ROOT, "native")
 CXX = os.environ.get("CXX", "g++")
-# The package's baseline flags (setup.py), with the AVX2 host's ISA for every file.
-FLAGS = ["-O3", "-fPIC", "-std=c++17", "-pthread", "-Wall", "-Wno-psabi", "-mavx2", "-mfma", "-mf16c",
-         "-msse4.2", "-I", NATIVE]
+
+
+def _package_flags() -> list[str]:
+    """setup.py's baseline flags, plus the AVX2 file's ISA flags (and SSE4.2) for every file."""
+    spec = importlib.util.spec_from_file_location("zo_setup", os.path.join(ROOT, "setup.py"))
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    return [*setup.BASE_FLAGS, *setup.ISA_FLAGS["_avx2.cpp"], *setup.ISA_FLAGS["_sse42.cpp"], "-Wno-psabi",
+            "-I", NATIVE]
+
+
+FLAGS = _package_flags()
 HOST_FEATURES = ("avx2", "fma", "f16c", "sse4_2")
 
 

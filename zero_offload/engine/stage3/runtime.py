@@ -441,8 +441,10 @@ class Stage3Runtime(RuntimeBase):
             # A unit read by this module is done once its own gradient is: this module's backward may
             # come later (a read under no_grad), and needs none of its gradient then.
             if rec.finished and u.trainable is not None and u not in attached:
+                # No frozen group (whose weights a later node may still read) and no path to the
+                # trainable ones: this output was computed by other units, its gradient adds nothing here.
                 if len(u.groups) == 1 and not hooks.reaches(node, u.trainable.params):
-                    continue  # this output was computed by other units: its gradient adds nothing here
+                    continue
                 raise RuntimeError(_TWICE.format(unit=u.name, what="is needed for backward again"))
             if not rec.held and not rec.finished:
                 rec.hold()
