@@ -20,7 +20,7 @@ from torch import nn
 
 from zero_offload import comm
 from zero_offload.engine.stage3.prefetch import Prefetcher
-from zero_offload.engine.stage3.unit import FlatGroup, Unit
+from zero_offload.engine.stage3.unit import Unit
 from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
 
@@ -90,10 +90,12 @@ def gathered(rt: Gathers, params: list[nn.Parameter], modify: bool) -> Iterator[
         if modify:
             for u in units:
                 _write_back(rt, u)
+        else:
+            _refuse_edits(units)
     finally:
         rt.end_gathered()
         for u in taken:
-            rt.prefetcher.let_go(u)
+            rt.prefetcher.let_go_apart(u)
 
 
 def _check_fits(rt: Gathers, units: list[Unit]) -> None:
@@ -105,11 +107,24 @@ def _check_fits(rt: Gathers, units: list[Unit]) -> None:
                            "parameters or modules at a time")
 
 
+def _refuse_edits(units: list[Unit]) -> None:
+    """A parameter written in place inside a block with modify=False: the write would be
+    dropped at release without a word (a forward inside the block keeps its own writes already,
+    as a pass does). Refused; the shards stay as they were."""
+    for u in units:
+        for g in u.groups:
+            names = u.edited_names(g)
+            if names:
+                raise RuntimeError(f"engine.gathered: parameter '{names[0]}' (unit '{u.name}') was changed in place "
+                                   "inside a block with modify=False, and the change is dropped; pass modify=True "
+                                   "to keep it")
+
+
 def _write_back(rt: Gathers, u: Unit) -> None:
     """Rank 0's values of every group of `u` become every rank's shards (a resident unit, which
     stays gathered, has every rank's slot from the broadcast already)."""
     for g in u.groups:
-        _take_replaced(u, g)
+        u.take_replaced(g)
         comm.broadcast_(g.flat, 0)
         lo, hi = g.layout.shard_range(rt.rank)
         shard = g.flat[lo:hi].clone()
@@ -117,16 +132,3 @@ def _write_back(rt: Gathers, u: Unit) -> None:
             rt.shard_optimizer.take_edit(g.key, shard)
         u.write_shard(g.key, shard)
         u.settle_write(g.key)
-
-
-def _take_replaced(u: Unit, g: FlatGroup) -> None:
-    """A parameter given new storage in the block (`p.data = t`) is copied into its view of the
-    flat buffer; in-place edits are there already."""
-    for name, p, view in zip(g.names, g.params, g.layout.views(g.flat)):
-        if p.data_ptr() == view.data_ptr():
-            continue
-        if p.shape != view.shape:
-            raise RuntimeError(f"engine.gathered: parameter '{name}' of unit '{u.name}' was given shape "
-                               f"{tuple(p.shape)}; it has {tuple(view.shape)}")
-        view.copy_(p.detach())
-        p.data = view

@@ -182,6 +182,7 @@ class Prefetcher:
         self.schedule = Schedule()
         self.siblings = dict(siblings or {})  # unit_policy.Plan.siblings, for check_same_unit's message
         self.prefetched: list[Unit] = []
+        self.apart: set[int] = set()  # units engine.gathered holds: a pass's use neither fetches nor releases them
         self.on_demand = 0  # fetches the step waited for in full (statistics)
         self.fetches = [0] * len(self.units)  # every fetch, on demand or ahead, per unit (statistics)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zo-prefetch")
@@ -193,6 +194,8 @@ class Prefetcher:
         """`unit` is needed now: make it GATHERED, then start prefetching what comes next."""
         check_same_unit(unit, siblings=self.siblings)
         following = self.schedule.note_use(unit.index)
+        if unit.index in self.apart:  # gathered by engine.gathered for the whole block: nothing to fetch
+            return
         if not following:
             self._drop_prefetched(keep=unit)
         if unit in self.prefetched:
@@ -209,6 +212,8 @@ class Prefetcher:
         Units far smaller than it do not use up the window here (a final norm of 4 KiB between the
         last blocks and the backward would push the last block but one out): keeping costs budget
         only, which a fetch that needs it takes back."""
+        if unit.index in self.apart:  # engine.gathered's block lets it go when it ends
+            return
         def free(i: int) -> bool:
             return i != unit.index and (self._held(i) or self.units[i].nbytes * SMALL_UNIT < unit.nbytes)
         if unit.index in self.schedule.upcoming(self.depth, free):
@@ -228,7 +233,8 @@ class Prefetcher:
         load: a unit gathered or read ahead would keep the old values)."""
         first: BaseException | None = None
         self.schedule.trusted = False
-        held, self.prefetched = [u for u in self.units if not u.resident and u.state is not UnitState.SHARDED], []
+        held = [u for u in self.units if not u.resident and u.state is not UnitState.SHARDED and u.index not in self.apart]
+        self.prefetched = []
         for u in held:  # every unit, even after one's read ahead failed; the first error after
             try:
                 self.let_go(u)
@@ -289,6 +295,12 @@ class Prefetcher:
         except BaseException:
             self.let_go(unit)
             raise
+        self.apart.add(unit.index)
+
+    def let_go_apart(self, unit: Unit) -> None:
+        """The end of engine.gathered's block: a unit it gathered goes back to SHARDED."""
+        self.apart.discard(unit.index)
+        self.let_go(unit)
 
     def _abandon(self, unit: Unit) -> None:
         self.prefetched.remove(unit)

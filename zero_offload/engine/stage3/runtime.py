@@ -418,6 +418,7 @@ class Stage3Runtime(RuntimeBase):
         try:
             used = tuple(units) + tuple(self._pop_call(module))
             for u in used:
+                self._take_pass_edits(u)
                 if self.stage is PassStage.BACKWARD:
                     rec = self._unit_pass[u.index]
                     if not rec.recomputing:
@@ -429,6 +430,34 @@ class Stage3Runtime(RuntimeBase):
         if module is not self.model or self.stage is PassStage.BACKWARD:
             self._segment_start()
         return used
+
+    def _take_pass_edits(self, u: Unit) -> None:
+        """In-place writes to a gathered unit's parameters during a call (Embedding(max_norm)'s
+        renorm, an EMA update of a frozen copy) reach this rank's shards before the unit can be
+        released, as eager torch keeps them: the compute-copy shard, and for trainable parameters
+        the master's changed elements (moments kept, as after `gathered(modify=True)`). A write
+        that changes a trainable value in backward, after its shard may have been stepped, is refused."""
+        if u.state is not UnitState.GATHERED:
+            return
+        for g in u.groups:
+            names = u.edited_names(g)
+            if not names:
+                continue
+            u.take_replaced(g)
+            lo, hi = g.layout.shard_range(self.rank)
+            shard = g.flat[lo:hi].clone()
+            changed = shard.ne(u.read_shard(g.key).to(shard.device))
+            if not bool(changed.any()):
+                continue  # a no-op write (a renorm of rows already within max_norm, a recomputation)
+            if g.trainable and self.stage is PassStage.BACKWARD:
+                raise RuntimeError(f"stage 3: parameter '{names[0]}' (unit '{u.name}') was changed in place during "
+                                   "backward, after its shard may have been stepped; change it in forward or "
+                                   "between steps inside `with engine.gathered(..., modify=True)`")
+            if g.trainable:
+                self.shard_optimizer.take_edit(g.key, shard, changed=changed)
+            u.write_shard(g.key, shard)
+            u.settle_write(g.key)
+        u.note_gathered()
 
     def backward_enter(self, module: nn.Module, units: Sequence[Unit], node: Any = None) -> None:
         """An output of `module` (its autograd node `node`) is about to get its gradient: its units
@@ -499,6 +528,7 @@ class Stage3Runtime(RuntimeBase):
         rec = self._unit_pass[u.index]
         rec.refs -= 1
         if rec.refs == 0:
+            self._take_pass_edits(u)  # a write in backward (a hook's) too, before the release could drop it
             self.prefetcher.release(u)
 
     def _finish_unit(self, u: Unit) -> None:
@@ -569,6 +599,9 @@ class Stage3Runtime(RuntimeBase):
         fixed at initialize. A stale .grad (held before initialize, or left by a refused
         loss.backward()) would be summed into this backward's by autograd: dropped."""
         check_bindings(self.bindings)  # a parameter replaced, frozen or unfrozen since initialize
+        if self.gathering:  # its step would leave the block's gathered copies stale (and modify=True revert it)
+            raise RuntimeError("engine.backward inside engine.gathered(): gathered blocks are for reading, editing "
+                               "and forward passes (evaluation, generate); train outside the block")
         for u in self.units:
             for p in u.params():
                 p.grad = None

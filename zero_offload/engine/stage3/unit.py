@@ -117,6 +117,7 @@ class Unit:
         self._writes: dict[str, tuple[Handle, torch.Tensor]] = {}  # writes in flight and their values, by group key
         self._write_lock = threading.Lock()
         self._sharded_versions: dict[int, int] = {}  # id(param) -> version counter when last emptied
+        self._gathered_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (version, address) as gathered
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
         layout = FlatLayout.build([s for _, _, s in named], self.world)
@@ -204,6 +205,7 @@ class Unit:
         for g in self.groups:
             for p, view in zip(g.params, g.layout.views(g.flat)):
                 p.data = view
+        self.note_gathered()
         self.state = UnitState.GATHERED
 
     def abandon(self) -> None:
@@ -222,6 +224,29 @@ class Unit:
         self._leave(UnitState.GATHERED, "release")
         self._free_storage()
         self.state = UnitState.SHARDED
+
+    # ---- writes to gathered parameters ----
+    def note_gathered(self) -> None:
+        """Remember each parameter's version counter and address as it is now: an in-place write
+        after this (a renorm in forward, an EMA update of a frozen copy, `p.data = t`) is what
+        `edited_groups` finds."""
+        self._gathered_marks = {id(p): (p._version, p.data_ptr()) for p in self.params()}
+
+    def edited_names(self, g: FlatGroup) -> list[str]:
+        """The parameters of `g` written in place or given new storage since `note_gathered`."""
+        return [n for n, p in zip(g.names, g.params) if self._gathered_marks.get(id(p)) != (p._version, p.data_ptr())]
+
+    def take_replaced(self, g: FlatGroup) -> None:
+        """A parameter given new storage while gathered (`p.data = t`) is copied into its view of
+        the flat buffer and pointed back at it; in-place edits are there already."""
+        for name, p, view in zip(g.names, g.params, g.layout.views(g.flat)):
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if p.shape != view.shape:
+                raise RuntimeError(f"stage 3: parameter '{name}' of unit '{self.name}' was given shape "
+                                   f"{tuple(p.shape)}; it has {tuple(view.shape)}")
+            view.copy_(p.detach())
+            p.data = view
 
     def _free_storage(self) -> None:
         self.empty_params()

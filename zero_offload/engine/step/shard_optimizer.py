@@ -529,13 +529,17 @@ class ShardOptimizer:
             if self.pipeline.unsure == p.key:  # its state is known again
                 self.pipeline.unsure = None
 
-    def take_edit(self, key: str, master: torch.Tensor) -> None:
+    def take_edit(self, key: str, master: torch.Tensor, changed: torch.Tensor | None = None) -> None:
         """A user's edit of a shard's parameters becomes its master, the moments kept, as a torch
         optimizer steps whatever the parameter holds and keeps its state when a weight is edited
         in place. `master`: this rank's shard of the edited values, in any dtype (in bf16/fp16
-        the master takes the compute copy's values)."""
+        the master takes the compute copy's values); with `changed` (a bool mask) only those
+        elements do, so a write to a few rows leaves the others' fp32 bits alone."""
         parts = self.read_state(key)
-        parts["master"] = master.float()
+        edited = master.detach().to("cpu", torch.float32).reshape(-1)
+        if changed is not None:
+            edited = torch.where(changed.to("cpu").reshape(-1), edited, parts["master"])
+        parts["master"] = edited
         self.write_state(key, parts)
 
     def state_dict(self) -> dict:
