@@ -4,6 +4,8 @@ in one unit (so ranks that route their tokens to different experts gather the sa
 report of a unit whose root never runs, and stage3.leaf_modules (DeepSpeed's leaf_module.classes)."""
 from __future__ import annotations
 
+import warnings
+
 import re
 from typing import Callable
 
@@ -200,28 +202,40 @@ def _engine(model: nn.Module, **stage3: object) -> object:
     return zero_offload.initialize(model, {"stage": 3, "tiers": CPU_TIERS, "stage3": stage3})
 
 
-def test_a_unit_whose_root_never_runs_is_reported_in_one_line_at_the_first_forward() -> None:
+def test_a_unit_whose_root_never_runs_is_gathered_around_the_modules_that_run() -> None:
     """The wrapper's unit was never gathered and fc read its empty weight: torch failed inside
-    F.linear. The first forward now stops at the first module that runs with its unit sharded."""
-    engine = _engine(_CallsPast(), unit_modules=["_Wrapper"])
-    with pytest.raises(RuntimeError) as err:
-        engine(torch.randn(3, 8))
-    engine.close()
-    msg = str(err.value)
-    assert "\n" not in msg
-    assert msg == ("stage 3: 'wrapper.inner.fc' (Linear) ran while its unit 'wrapper' was not gathered: the forward "
-                   "of the unit's root module 'wrapper' (_Wrapper) never ran (a module above it calls into it "
-                   "directly); make units of modules that run, e.g. stage3.unit_modules=['_Inner'] (or none, for "
-                   "zero_offload's choice)")
-    # the fix it names, and the default choice (which descends through the wrapper)
-    for stage3, units in (({"unit_modules": ["_Inner"]}, ["<root>", "wrapper.inner"]),
+    F.linear; then the first forward stopped there in one line. Now the module that runs gathers
+    the unit around its own calls, says so once in one line (naming the units that would gather
+    less often), and trains as torch does; the units the line names, and the default choice
+    (which descends through the wrapper), train too."""
+    ref = _CallsPast()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for x in xs:
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    for stage3, units in (({"unit_modules": ["_Wrapper"]}, ["<root>", "wrapper"]),
+                          ({"unit_modules": ["_Inner"]}, ["<root>", "wrapper.inner"]),
                           ({}, ["wrapper.inner.fc", "head"])):
         engine = _engine(_CallsPast(), **stage3)
         assert [u.name for u in engine.runtime.units] == units
-        for _ in range(2):
-            engine.backward(engine(torch.randn(3, 8)))
-            assert engine.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x in xs:
+                engine.backward(engine(x))
+                assert engine.step()
+        said = [str(w.message) for w in caught if "stage 3:" in str(w.message)]
+        if stage3.get("unit_modules") == ["_Wrapper"]:
+            assert len(said) == 1 and "\n" not in said[0]
+            assert said[0].startswith("stage 3: 'wrapper.inner.fc' (Linear) ran while its unit 'wrapper' was not "
+                                      "gathered") and "stage3.unit_modules=['_Inner']" in said[0]
+        else:
+            assert said == []
+        got = engine.consolidated_state_dict()
         engine.close()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-7, msg=k)
 
 
 # ---- mixture of experts, one module per expert, top-1 routing, at D = 2 ----

@@ -134,10 +134,24 @@ def install_module_hooks(modules: Iterable[nn.Module], target: HookTarget) -> li
     """Forward pre/post hooks and output-gradient hooks on every module that uses units."""
     handles: list[RemovableHandle] = []
     for module in modules:
-        open_calls: list[_Call] = []  # one per call in progress (a module may re-enter)
-        handles.append(module.register_forward_pre_hook(_pre_hook(target, open_calls), with_kwargs=True))
-        handles.append(module.register_forward_hook(_post_hook(target, open_calls)))
+        handles += _install(module, target)[0]
     return handles
+
+
+def _install(module: nn.Module, target: HookTarget) -> tuple[list[RemovableHandle], Callable[..., tuple | None]]:
+    open_calls: list[_Call] = []  # one per call in progress (a module may re-enter)
+    pre = _pre_hook(target, open_calls)
+    return [module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(_post_hook(target, open_calls))], pre
+
+
+def hook_module_now(module: nn.Module, target: HookTarget, args: tuple,
+                    kwargs: dict) -> tuple[list[RemovableHandle], tuple | None]:
+    """install_module_hooks for a module whose call has begun (its pre-hooks are running): torch
+    took the list of pre-hooks before this one existed, so it runs here for this call (its
+    result is the call's new (args, kwargs), or None); the post-hook torch runs after forward."""
+    handles, pre = _install(module, target)
+    return handles, pre(module, args, kwargs)
 
 
 @dataclasses.dataclass

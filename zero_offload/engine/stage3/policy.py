@@ -8,9 +8,10 @@ none named, the model is split from the top down (`_default_roots`), each module
   without a forward of its own; a ParameterList stays in its parent's unit), a wrapper (no
   parameters of its own and one child that runs holding them all: PEFT's PeftModel and
   LoraModel, whose forwards call past themselves into the model they wrap), and, outside the
-  blocks, a module holding a repeated stack of blocks somewhere below (a ModuleList or
-  ModuleDict of one class, or an nn.Sequential of two or more), so that each block is a unit of
-  its own, as low as the real compute;
+  blocks, a repeated stack of blocks (a ModuleList or ModuleDict of one class, or an
+  nn.Sequential of two or more) or a module holding one somewhere below, so that each block is a
+  unit of its own, as low as the real compute (checkpoint_sequential calls a Sequential's items
+  past its forward);
 - a root whatever its size: a `stage3.leaf_modules` class, and inside a block a module that
   holds a list of modules of one class (experts: a router calls some of them, different ones on
   different ranks, so they are one unit at the layer that owns them and every rank gathers the
@@ -163,7 +164,7 @@ def _default_roots(model: nn.Module, unit_bytes: int, elem: int, leaves: set[nn.
                 continue  # a ParameterList is read by its parent's forward: it stays in that unit
             if child in leaves or (in_block and _runs(child) and _owns_routable(child)):
                 roots.add(child)
-            elif not _runs(child) or _is_wrapper(child) or (not in_block and holds_stack(child)):
+            elif not _runs(child) or _is_wrapper(child) or (not in_block and (holds_stack(child) or _is_stack(child))):
                 place(child, in_block)
             elif _bytes(child, elem) <= unit_bytes or not _param_children(child):
                 roots.add(child)
@@ -260,34 +261,44 @@ def _drop_empty(units: list[UnitPlan], users: dict[nn.Module, tuple[int, ...]],
     return Plan([units[i] for i in keep], users2, chains2)
 
 
+# adopt(module name, module, unit indices, args, kwargs): the module acquires those units around its
+# calls from now on, this call included; returns the call's new (args, kwargs) or None, or raises
+# the message it is given when the module cannot (see Stage3Runtime.adopt).
+Adopt = Callable[[str, nn.Module, list[int], tuple, dict, str], "tuple | None"]
+
+
 class RootCheck:
     """The first forward and the first backward, watched: a module that runs while a unit holding
-    its own parameters is not gathered found them empty (torch would fail inside the op, e.g.
+    its own parameters is not gathered would find them empty (torch would fail inside the op, e.g.
     "'weight' must be 2-D"). In forward, that unit's root never ran its forward: a module above it
-    called into it directly, past the root (PeftModel calls the model inside its LoraModel). In
-    backward, a method other than the root's forward called it (a reversible layer's own backward,
-    as Reformer's, runs its sub-modules again). Refused in one line naming the unit and the units
-    that would work. Removed once a backward completes (`backward_done`)."""
+    called into it directly, past the root (a root calling a child's method, checkpoint_sequential
+    calling a stack's items). In backward, a method other than the root's forward called it (a
+    reversible layer's own backward, as Reformer's, runs its sub-modules again). The module is
+    handed to `adopt`, which makes it a user of those units from now on (with the line that names
+    the units that would work, for the cases it cannot). Removed once a backward completes."""
 
     def __init__(self, model: nn.Module, plan: Plan, gathered: Callable[[int], bool], named: bool,
-                 in_backward: Callable[[], bool] = lambda: False) -> None:
+                 in_backward: Callable[[], bool] = lambda: False, adopt: Adopt | None = None) -> None:
         self.plan, self.gathered, self.named = plan, gathered, named  # named: by stage3.unit_modules
-        self.in_backward = in_backward
+        self.in_backward, self.adopt = in_backward, adopt
         owner = {id(p): i for i, u in enumerate(plan.units) for _, p in u.params}
         self.ran: set[int] = set()
         self.handles: list[RemovableHandle] = []
         for name, m in model.named_modules():
             units = sorted({owner[id(p)] for p in m._parameters.values() if p is not None and id(p) in owner})
-            self.handles.append(m.register_forward_pre_hook(self._pre_hook(name, units)))
+            self.handles.append(m.register_forward_pre_hook(self._pre_hook(name, units), with_kwargs=True))
 
-    def _pre_hook(self, name: str, units: list[int]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _pre_hook(self, name: str, units: list[int]) -> Callable[..., tuple | None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
             self.ran.add(id(module))
-            for i in units:
-                if not self.gathered(i):
-                    unit = self.plan.units[i]
-                    raise RuntimeError(self._in_backward(name, module, unit) if self.in_backward()
-                                       else self._message(name, module, unit))
+            missing = [i for i in units if not self.gathered(i)]
+            if not missing:
+                return None
+            unit = self.plan.units[missing[0]]
+            why = self._in_backward(name, module, unit) if self.in_backward() else self._message(name, module, unit)
+            if self.adopt is None:
+                raise RuntimeError(why)
+            return self.adopt(name, module, missing, args, kwargs, why)
         return hook
 
     def _message(self, name: str, module: nn.Module, unit: UnitPlan) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import time
+import warnings
 from collections import deque
 from functools import partial
 from typing import Any, Mapping, Sequence
@@ -153,9 +154,10 @@ class Stage3Runtime(RuntimeBase):
             self._init_read_watch(model)
             self._handles = hooks.install_module_hooks(self.users, self) + hooks.install_param_hooks(self.units, self)
             self._handles += [m.register_state_dict_pre_hook(self._guard_state_dict) for m in self.users]
+            self._adopted: list[str] = []  # modules that acquire a unit whose root's forward did not run (adopt)
             self._root_check = RootCheck(model, plan, lambda i: self.units[i].state is UnitState.GATHERED,
                                          named=bool(config.stage3.unit_modules),
-                                         in_backward=lambda: self.stage is PassStage.BACKWARD)
+                                         in_backward=lambda: self.stage is PassStage.BACKWARD, adopt=self.adopt)
             # After the model's post-hook, and also when its forward raises: the read watch ends there.
             self._handles.append(model.register_forward_hook(self._forward_done, always_call=True))
             self.accumulator = Accumulator.on_grads_tier(config, self.device, self.rank,
@@ -345,6 +347,28 @@ class Stage3Runtime(RuntimeBase):
             raise RuntimeError(f"stage 3: parameter '{name}' (unit '{u.name}') is read in the forward of {where}, "
                                f"outside its unit's module, and cannot be gathered there: {exc}; or name a module "
                                "class enclosing both in stage3.unit_modules") from None
+
+    def adopt(self, name: str, module: nn.Module, indices: list[int], args: tuple, kwargs: dict,
+              why: str) -> tuple | None:
+        """RootCheck: `module` runs while units holding its parameters are not gathered, since
+        their root's forward does not run around it (a root calling a child's method,
+        checkpoint_sequential, a reversible layer's backward). From this call on it acquires
+        them around its calls and gathers them for its backward, as their root would; said once,
+        in one line. A module already acquiring other units (its hooks ran for this call) keeps
+        the refusal `why`."""
+        if module in self.users:
+            raise RuntimeError(why)
+        units = tuple(self.units[i] for i in indices)
+        self.users[module] = units
+        handles, result = hooks.hook_module_now(module, self, args, kwargs)
+        self._handles += handles
+        if not self._adopted:
+            warnings.warn(f"stage 3: '{name}' ({type(module).__name__}) ran while its unit '{units[0].name or '<root>'}' "
+                          "was not gathered (the forward of the unit's root did not run around it), so such modules "
+                          "now gather their unit around their own calls and training goes on; for fewer gathers "
+                          f"{why[why.index('make units'):]}", stacklevel=2)
+        self._adopted.append(name)
+        return result
 
     def _pop_call(self, module: nn.Module) -> list[Unit]:
         """The units gathered for `module`'s call in progress on demand; calls left open above it
