@@ -103,6 +103,14 @@ def test_training_equals_a_plain_trainer_run_and_saves_for_from_pretrained(where
         ours_logits = trainer.engine_model(input_ids=ids).logits  # through the engine (stage 3 gathers)
         loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved")).eval()
         assert torch.equal(ours_logits, loaded(input_ids=ids).logits)
+        # generate after training, outside and inside engine.gathered (at stage 3 a forward inside the
+        # block gave the block's units back twice: "the live budget was released more than it took")
+        gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        want = loaded.generate(ids[:1, :6], **gen)
+        assert torch.equal(trainer.model.generate(ids[:1, :6], **gen), want)
+        with trainer.engine.gathered():
+            assert torch.equal(trainer.model.generate(ids[:1, :6], **gen), want)
+        assert torch.equal(trainer.model.generate(ids[:1, :6], **gen), want)
     trainer.engine.close()
 
 
