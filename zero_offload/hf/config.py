@@ -24,6 +24,9 @@ from zero_offload.deepspeed_compat import is_deepspeed
 AUTO = "auto"
 # Optimizers of TrainingArguments.optim that are the engine's AdamW (torch's semantics).
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
+# TrainingArguments.optim -> the engine's optimizer of the same update: torch's AdamW, and
+# bitsandbytes' 32-bit Lion (paged or not: paging moves its state, the update is the paper's).
+OPTIMIZERS = {**{name: "adamw" for name in ADAMW_NAMES}, "lion_32bit": "lion", "paged_lion_32bit": "lion"}
 # DeepSpeed's scheduler types: the Trainer's own scheduler (lr_scheduler_type) runs instead.
 _DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
@@ -49,7 +52,7 @@ def training_values(args: Any) -> dict[str, tuple[Any, str]]:
         "optimizer.betas": ((float(args.adam_beta1), float(args.adam_beta2)), "adam_beta1+adam_beta2"),
         "optimizer.eps": (float(args.adam_epsilon), "adam_epsilon"),
         "optimizer.weight_decay": (float(args.weight_decay), "weight_decay"),
-        "optimizer.name": ("adamw", "optim"),
+        "optimizer.name": (engine_optimizer(args), "optim"),
         "gradient_accumulation_steps": (int(args.gradient_accumulation_steps), "gradient_accumulation_steps"),
         "clip_grad_norm": (max(0.0, _max_grad_norm(args)), "max_grad_norm"),  # Trainer: <= 0 is no clipping
         "precision.dtype": (_dtype(args), "bf16/fp16"),
@@ -224,7 +227,7 @@ def _with_training_values(config: Config, args: Any) -> Config:
     without clipping the overlapped step is turned off (overlap_step=False): the same update,
     the Adam pass after backward instead of beside it."""
     v = {k: value for k, (value, _) in training_values(args).items()}
-    optimizer = dataclasses.replace(config.optimizer, name="adamw", lr=v["optimizer.lr"], betas=v["optimizer.betas"],
+    optimizer = dataclasses.replace(config.optimizer, name=v["optimizer.name"], lr=v["optimizer.lr"], betas=v["optimizer.betas"],
                                     eps=v["optimizer.eps"], weight_decay=v["optimizer.weight_decay"])
     precision = dataclasses.replace(config.precision, dtype=v["precision.dtype"])
     return config.replace(optimizer=optimizer, precision=precision,
@@ -247,14 +250,20 @@ def _read(path: str) -> dict[str, Any]:
     return data
 
 
-def check_optimizer(args: Any) -> None:
-    """The engine steps AdamW; another TrainingArguments.optim would be silently replaced."""
+def engine_optimizer(args: Any) -> str:
+    """The engine's optimizer for TrainingArguments.optim; any other would be silently replaced."""
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in ADAMW_NAMES:
-        raise ConfigError(f"TrainingArguments.optim = {optim!r}: ZeroOffloadTrainer steps AdamW in the engine; "
-                          f"use optim={ADAMW_NAMES[0]!r} (or {ADAMW_NAMES[1]!r})")
+    if optim not in OPTIMIZERS:
+        raise ConfigError(f"TrainingArguments.optim = {optim!r}: the engine steps one of {', '.join(OPTIMIZERS)} "
+                          f"(AdamW and 32-bit Lion, in its own CPU kernels); use optim={ADAMW_NAMES[0]!r}")
+    return OPTIMIZERS[optim]
+
+
+def check_optimizer(args: Any) -> None:
+    """TrainingArguments.optim is one the engine steps, with no optim_args it would ignore."""
+    engine_optimizer(args)
     if getattr(args, "optim_args", None):
-        raise ConfigError(f"TrainingArguments.optim_args = {args.optim_args!r}: the engine's AdamW takes only "
+        raise ConfigError(f"TrainingArguments.optim_args = {args.optim_args!r}: the engine's optimizer takes only "
                           "learning_rate, adam_beta1/2, adam_epsilon and weight_decay")
 
 

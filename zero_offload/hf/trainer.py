@@ -67,6 +67,10 @@ def _refuse_training_arguments(args: Any) -> None:
     if args.fp16_full_eval or args.bf16_full_eval:
         raise ConfigError("TrainingArguments fp16_full_eval / bf16_full_eval cast the model: the engine evaluates "
                           "in its own precision (bf16=True or fp16=True)")
+    if args.torch_compile:
+        raise ConfigError("TrainingArguments(torch_compile=True): the engine runs the model's modules through its "
+                          "own hooks, which torch.compile would trace (stage 3 refuses it); at stages 0-2 compile "
+                          "the model before passing it, or leave torch_compile off")
     if args.n_gpu > 1:
         raise ConfigError(f"one process sees {args.n_gpu} GPUs, which Trainer would drive with DataParallel: run "
                           "one process per GPU (torchrun --nproc_per_node N); the engine does the data parallelism")
