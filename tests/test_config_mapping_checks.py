@@ -402,6 +402,7 @@ NVME3 = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/mnt/
 
 @pytest.mark.parametrize("data,unused", [
     (_with({"zero_optimization": NVME3}, ("zero_optimization", "offload_param"), "max_in_cpu", 0), None),
+    (_with({"zero_optimization": NVME3}, ("zero_optimization", "offload_param"), "max_in_cpu", 1e9), None),
     (_with({"zero_optimization": ZERO3_CPU}, ("zero_optimization", "offload_param"), "max_in_cpu", 1e9),
      "zero_optimization.offload_param.max_in_cpu"),  # DeepSpeed reads it with nvme only
     (_with({"zero_optimization": NVME3}, ("aio",), "use_gds", False), None),
@@ -417,9 +418,8 @@ def test_deepspeed_value_we_reproduce_is_accepted(data: dict, unused: str | None
 
 
 @pytest.mark.parametrize("data,needle", [
-    (_with({"zero_optimization": NVME3}, ("zero_optimization", "offload_param"), "max_in_cpu", 1e9),
-     "zero_optimization.offload_param.max_in_cpu = 1000000000.0 (DeepSpeed keeps that many parameter elements in "
-     "CPU memory, zero_offload keeps every offloaded parameter on nvme: set 0"),
+    (_with({"zero_optimization": NVME3}, ("zero_optimization", "offload_param"), "max_in_cpu", 1.5),
+     "DeepSpeed key 'zero_optimization.offload_param.max_in_cpu' = 1.5 is invalid: expected an integer"),
     (_with({"zero_optimization": NVME3}, ("aio",), "use_gds", True),
      "aio.use_gds = true (zero_offload does not use GPUDirect Storage"),
 ])
@@ -427,9 +427,9 @@ def test_deepspeed_value_we_do_not_reproduce_is_refused_with_why(data: dict, nee
     _refused(data, needle)
 
 
-def test_deepspeed_zero_infinity_example_is_refused_once_for_what_it_needs_changed() -> None:
-    """DeepSpeed's own ZeRO-Infinity example: what it needs changed (max_in_cpu) is said in one
-    error, and with that value changed it is read."""
+def test_deepspeed_zero_infinity_example_is_read_as_written() -> None:
+    """DeepSpeed's own ZeRO-Infinity example was refused over max_in_cpu = 1e9; it is read as
+    written now, max_in_cpu keeping that many parameter elements of each rank in host RAM."""
     zero = {**NVME3, "offload_optimizer": {**NVME3["offload_optimizer"], "pin_memory": True, "buffer_count": 4,
                                           "fast_init": False},
             "offload_param": {**NVME3["offload_param"], "pin_memory": True, "buffer_count": 5, "buffer_size": 1e8,
@@ -441,11 +441,11 @@ def test_deepspeed_zero_infinity_example_is_refused_once_for_what_it_needs_chang
     data = {"zero_optimization": zero, "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                                                "single_submit": False, "overlap_events": True},
             "fp16": {"enabled": True}, "steps_per_print": 10, "wall_clock_breakdown": False}
-    err = _refused(data, "zero_optimization.offload_param.max_in_cpu = 1000000000.0")
-    assert "stage3_gather_16bit_weights_on_model_save" not in err
-    zero.update(offload_param={**zero["offload_param"], "max_in_cpu": 0})
     cfg, said = _read_warned(data)
     assert cfg.tiers.params == "nvme" and cfg.io.queue_depth == 8 and len(said) == 1
+    assert cfg.stage3.max_in_cpu == 10 ** 9
+    zero.update(offload_param={**zero["offload_param"], "max_in_cpu": 0})
+    assert _read_warned(data)[0].stage3.max_in_cpu == 0
 
 
 # ---- refused top-level keys say what to use ----------------------------------------------------

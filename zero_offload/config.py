@@ -272,6 +272,8 @@ class Stage3Config(_Fields):
     (engine/stage3/policy.py). leaf_modules names classes whose whole subtree is one unit (an MoE
     layer, whose router picks different experts on different ranks), with or without
     unit_modules. Parameters of units smaller than resident_bytes stay on the device, gathered once.
+    With tiers.params = 'nvme', the first units (in model order) whose compute-copy shards hold at
+    most max_in_cpu elements of this rank stay in host RAM instead (DeepSpeed's offload_param.max_in_cpu).
     """
 
     live_budget_bytes: int = 1 * GiB
@@ -280,9 +282,11 @@ class Stage3Config(_Fields):
     unit_bytes: int = 64 * MiB
     resident_bytes: int = 0
     leaf_modules: tuple[str, ...] = ()
+    max_in_cpu: int = 0
 
     def __post_init__(self) -> None:
         _check_int("stage3.live_budget_bytes", self.live_budget_bytes, 1, MAX_BYTES)
+        _check_int("stage3.max_in_cpu", self.max_in_cpu, 0, MAX_BYTES)
         _check_int("stage3.prefetch_depth", self.prefetch_depth, 0, 64)
         for name in ("unit_modules", "leaf_modules"):
             object.__setattr__(self, name, _check_names(f"stage3.{name}", getattr(self, name)))

@@ -11,9 +11,8 @@ A key whose meaning we do not reproduce is never silently dropped. Every key is 
   stored where and what the step computes are the same whatever their value. They are still
   type-checked, and named in one warning (IgnoredDeepSpeedKeys) per config read, so the user
   knows they did nothing;
-- accepted only with the value that matches what our engine does (_CHECKED_KEYS: max_in_cpu,
-  use_gds), as ignoring another value would change what the user gets; that value is refused
-  with the reason;
+- accepted only with the value that matches what our engine does (_CHECKED_KEYS: use_gds), as
+  ignoring another value would change what the user gets; that value is refused with the reason;
 - refused: any other key. Every refused key and value, in every section, is listed by its dotted
   path in ONE error (_refuse_unsupported): stopping at the first section made bringing a config
   take one run per section. A refused top-level key with an equivalent says what to use instead.
@@ -97,19 +96,26 @@ def _zero_block(data: Mapping[str, Any]) -> Mapping[str, Any]:
     return zero if isinstance(zero, Mapping) else {}
 
 
-def _max_in_cpu(value: Any, data: Mapping[str, Any]) -> str:
-    """offload_param.max_in_cpu: with device nvme, DeepSpeed keeps up to this many parameter
-    elements in CPU memory and only the rest on nvme (its default, 1e9, keeps most models wholly in
-    CPU memory). Our nvme tier keeps every offloaded parameter on nvme, which is what 0 says;
-    with another device DeepSpeed does not read it."""
+def _params_on_nvme(data: Mapping[str, Any]) -> bool:
     block = _zero_block(data).get("offload_param")
     asked = from_deepspeed(block.get("device")) if isinstance(block, Mapping) else None
-    if asked is None or not asked.needs_nvme_paths:
-        return _IGNORED
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return ("DeepSpeed keeps that many parameter elements in CPU memory, zero_offload keeps every offloaded "
-                "parameter on nvme: set 0, or use device cpu to keep them all in CPU memory")
-    return _OURS
+    return asked is not None and asked.needs_nvme_paths
+
+
+# DeepSpeed's default offload_param.max_in_cpu (runtime/zero/offload_config.py): what a config
+# that leaves it out keeps in CPU memory with device nvme.
+_MAX_IN_CPU_DEFAULT = 10 ** 9
+_MAX_IN_CPU = ("zero_optimization", "offload_param", "max_in_cpu")
+
+
+def _max_in_cpu_field(data: Mapping[str, Any]) -> dict[str, int]:
+    """stage3.max_in_cpu from offload_param.max_in_cpu (DeepSpeed's default where it is left
+    out) when parameters go to nvme; nothing otherwise."""
+    if not _params_on_nvme(data):
+        return {}
+    found, value = _find(data, _MAX_IN_CPU)
+    return {"max_in_cpu": _number(value, "zero_optimization.offload_param.max_in_cpu", integer=True)
+            if found else _MAX_IN_CPU_DEFAULT}
 
 
 def _use_gds(value: Any, data: Mapping[str, Any]) -> str:
@@ -122,7 +128,6 @@ def _use_gds(value: Any, data: Mapping[str, Any]) -> str:
 
 # Keys accepted only with the value that matches what our engine does: key path -> (kind, verdict).
 _CHECKED_KEYS: dict[tuple[str, ...], tuple[str, Callable[[Any, Mapping[str, Any]], str]]] = {
-    ("zero_optimization", "offload_param", "max_in_cpu"): (_COUNT, _max_in_cpu),
     ("aio", "use_gds"): (_FLAG, _use_gds),
 }
 
@@ -183,6 +188,7 @@ _ORIGIN: dict[str, tuple[tuple[Any, ...], ...]] = {
     **{f"precision.{ours}": (("fp16", ds),) for ds, (ours, _) in _FP16_KEYS.items()},
     **{f"optimizer.{k}": (("optimizer", "params", k),) for k in ("lr", "eps", "weight_decay")},
     **{f"optimizer.betas[{i}]": (("optimizer", "params", "betas", i),) for i in (0, 1)},
+    "stage3.max_in_cpu": (("zero_optimization", "offload_param", "max_in_cpu"),),
     "io.block_size": (("aio", "block_size"),),
     "io.queue_depth": (("aio", "queue_depth"),),
     "io.threads": (("aio", "thread_count"), ("aio", "intra_op_parallelism")),
@@ -203,6 +209,7 @@ _ALLOWED: dict[tuple[str, ...], set[str]] = {
     (): _TOP,
     ("zero_optimization",): _ZERO,
     **{("zero_optimization", block): _OFFLOAD | _keys_under(("zero_optimization", block)) for block in _BLOCK_GROUP},
+    ("zero_optimization", "offload_param"): _OFFLOAD | {_MAX_IN_CPU[-1]} | _keys_under(("zero_optimization", "offload_param")),
     ("zero_optimization", "leaf_module"): {"classes"},
     ("aio",): _AIO | _keys_under(("aio",)),
     ("bf16",): {"enabled"},
@@ -269,6 +276,10 @@ def _unused_keys(data: Mapping[str, Any]) -> list[str]:
             _check_kind(value, path, kind)
             if verdict(value, data) == _IGNORED:
                 out.append(_dotted(path))
+    found, value = _find(data, _MAX_IN_CPU)
+    if found and not _params_on_nvme(data):  # DeepSpeed reads it with device nvme only
+        _check_kind(value, _MAX_IN_CPU, _COUNT)
+        out.append(_dotted(_MAX_IN_CPU))
     return out
 
 
@@ -617,11 +628,26 @@ def _whole_config(data: Mapping[str, Any]) -> Mapping[str, Any]:
     return data
 
 
+def _hoisted_aio(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An aio block inside zero_optimization, as transformers' DeepSpeed page prints its NVMe
+    example, read as the top-level block it is meant to be (DeepSpeed reads aio only there),
+    with a warning; beside a top-level aio block it is refused, as one of the two would be dropped."""
+    zero = data.get("zero_optimization")
+    if not isinstance(zero, Mapping) or "aio" not in zero:
+        return data
+    if "aio" in data:
+        raise ConfigError("DeepSpeed config has an aio block at the top level and one inside zero_optimization: "
+                          "keep the top-level one (DeepSpeed reads only that)")
+    warnings.warn("DeepSpeed key zero_optimization.aio is read as the top-level aio block (DeepSpeed reads aio only "
+                  "at the top level of the config: move it there)", UserWarning, stacklevel=user_stacklevel())
+    return {**data, "aio": zero["aio"], "zero_optimization": {k: v for k, v in zero.items() if k != "aio"}}
+
+
 def config_from_deepspeed(data: Mapping[str, Any]) -> Config:
     """Map a DeepSpeed config dict onto ours; a bare zero_optimization dict is accepted too."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(data).__name__}")
-    data = _whole_config(data)
+    data = _hoisted_aio(_whole_config(data))
     _refuse_unsupported(data)
     unused = _unused_keys(data)
     config = _mapped(data)
@@ -642,6 +668,8 @@ def _mapped(data: Mapping[str, Any]) -> Config:
                               "nvme_paths": _shared_nvme_paths(opt_paths, par_paths),
                               "optimizer": _optimizer(data), **_zero_scalars(zero, dtype_bytes),
                               **_pin_memory(zero, tiers), **_training(data)}
+    if _max_in_cpu_field(data):
+        kwargs["stage3"] = {**kwargs.get("stage3", {}), **_max_in_cpu_field(data)}
     try:
         return Config(**kwargs)
     except ConfigError as exc:

@@ -31,7 +31,7 @@ from typing import Mapping
 
 from zero_offload.optim.adamw import ADAMW
 from zero_offload.optim.spec import OptimizerSpec
-from zero_offload.tiers import DEVICE, REGISTRY, TIERS
+from zero_offload.tiers import CPU, DEVICE, REGISTRY, TIERS, tier
 
 GROUPS = ("weights", "gradients", "optimizer")
 TIER_OF_GROUP = {"weights": "params", "gradients": "grads", "optimizer": "optimizer"}
@@ -134,12 +134,13 @@ def _check_tiers(tiers: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapping[str, str] | None = None,
-          ranks_per_node: int | None = None, spec: OptimizerSpec = ADAMW) -> Ledger:
+          ranks_per_node: int | None = None, spec: OptimizerSpec = ADAMW, weights_in_cpu: int = 0) -> Ledger:
     """The ideal retained bytes per rank for P=`params`, D=`dp` at ZeRO `stage`.
 
     `tiers` maps 'params'/'grads'/'optimizer' to 'device'/'cpu'/'nvme' (default: all on device).
     `ranks_per_node` defaults to D (one machine) and may not exceed it. `spec`: the optimizer
-    whose state is counted (AdamW's master, m and v by default).
+    whose state is counted (AdamW's master, m and v by default). `weights_in_cpu`: weight
+    elements of each rank kept in host RAM though the params tier is nvme (stage3.max_in_cpu).
     """
     _check_int("params", params, 0)
     _check_int("dp", dp, 1)
@@ -154,7 +155,18 @@ def ideal(params: int, dp: int, stage: int, precision: str = "bf16", tiers: Mapp
         share = Fraction(params, dp) if partitioned(group, stage) else Fraction(params)
         per_rank[group] = {t: Fraction(0) for t in TIER_COLUMNS}
         per_rank[group][tiers[TIER_OF_GROUP[group]]] = share * per_param[group]
+    _keep_in_cpu(per_rank["weights"], tiers["params"], weights_in_cpu, per_param["weights"])
     return Ledger(params, dp, stage, precision, tiers, dp if ranks_per_node is None else ranks_per_node, per_rank)
+
+
+def _keep_in_cpu(row: dict[str, Fraction], params_tier: str, elements: int, per_element: int) -> None:
+    """Up to `elements` of the weights' share move from an nvme params tier to host RAM."""
+    _check_int("weights_in_cpu", elements, 0)
+    if not elements or not tier(params_tier).needs_nvme_paths:
+        return
+    moved = min(Fraction(elements * per_element), row[params_tier])
+    row[params_tier] -= moved
+    row[CPU.name] += moved
 
 
 def formula(params: int, dp: int, stage: int, spec: OptimizerSpec = ADAMW) -> Fraction:

@@ -38,7 +38,8 @@ def memory_report(rt: Runtime, cfg: Config, device: torch.device) -> dict[str, A
     bytes (retained, extras, limits); the rows, notes and table are assembled here."""
     led = ledger.ideal(rt.trainable_numel(), comm.world_size(), cfg.stage, cfg.precision.dtype,
                        {"params": cfg.tiers.params, "grads": cfg.tiers.grads, "optimizer": cfg.tiers.optimizer},
-                       spec=rt.shard_optimizer.spec)  # the engine's optimizer's bytes per element
+                       spec=rt.shard_optimizer.spec,  # the engine's optimizer's bytes per element
+                       weights_in_cpu=cfg.stage3.max_in_cpu if cfg.stage == 3 else 0)
     held = rt.retained()
     rows = []
     for group in GROUPS:

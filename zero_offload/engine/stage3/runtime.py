@@ -60,6 +60,7 @@ from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
 from zero_offload.optim.registry import spec_for
 from zero_offload.store import make_store
+from zero_offload.tiers import CPU, tier
 from zero_offload.trace import tracer
 
 BLOCK = ALIGN_BYTES  # an NVMe slot's rounding: each unit's capacity allows for it
@@ -124,6 +125,7 @@ class Stage3Runtime(RuntimeBase):
         self.shard_optimizer: ShardOptimizer | None = None
         self.accumulator: Accumulator | None = None
         self.params_store = None
+        self.params_cpu_store = None
         try:
             self._make_units(plan, elem, shapes)
             self.bindings = param_bindings(model)  # after a meta model's parameters were replaced
@@ -235,19 +237,43 @@ class Stage3Runtime(RuntimeBase):
 
     # ---- construction ----
     def _make_units(self, plan: Plan, elem: int, shapes: dict[int, torch.Size]) -> None:
-        numel = sum(s.numel() for s in shapes.values())
-        capacity = (numel // self.world + 64 * len(plan.units)) * elem + 2 * len(plan.units) * BLOCK + (1 << 20)
+        in_cpu = self._units_in_cpu(plan, shapes)
+        numels = [sum(shapes[id(p)].numel() for _, p in up.params) for up in plan.units]
+        rest = [n for i, n in enumerate(numels) if i not in in_cpu]
         self.params_store = make_store(self.config.tiers.params, "params", self.config, device=self.device,
-                                       rank=self.rank, capacity_bytes=capacity)
+                                       rank=self.rank, capacity_bytes=self._capacity(rest, elem))
+        self.params_cpu_store = None if not in_cpu else make_store(  # stage3.max_in_cpu's units
+            CPU.name, "params", self.config, device=self.device, rank=self.rank,
+            capacity_bytes=self._capacity([numels[i] for i in in_cpu], elem))
         self.gather_buffers = GatherBuffers(self.params_store)
         self.units: list[Unit] = []
         for i, up in enumerate(plan.units):
             named = [(n, p, shapes[id(p)]) for n, p in up.params]
+            store = self.params_cpu_store if i in in_cpu else self.params_store
             self.units.append(Unit(i, up.name or "<root>", named, dtype=self.dtype, device=self.device,
-                                   store=self.params_store, staging=self.gather_buffers))
+                                   store=store, staging=self.gather_buffers))
         for u in self.units:
             u.resident = u.nbytes < self.config.stage3.resident_bytes
         self.by_key = {g.key: (u, g) for u in self.units for g in u.groups}
+
+    def _capacity(self, numels: list[int], elem: int) -> int:
+        """A params store's bytes for units of these sizes: this rank's shards, their padding and slot rounding."""
+        return (sum(numels) // self.world + 64 * len(numels)) * elem + 2 * len(numels) * BLOCK + (1 << 20)
+
+    def _units_in_cpu(self, plan: Plan, shapes: dict[int, torch.Size]) -> set[int]:
+        """stage3.max_in_cpu with parameters on nvme: the first units, in model order, whose shards
+        of this rank add up to at most that many elements stay in host RAM, as DeepSpeed keeps
+        its first parameter partitions in CPU memory up to offload_param.max_in_cpu."""
+        limit = self.config.stage3.max_in_cpu
+        if not limit or not tier(self.config.tiers.params).needs_nvme_paths:
+            return set()
+        kept, total = set(), 0
+        for i, up in enumerate(plan.units):
+            total += -(-sum(shapes[id(p)].numel() for _, p in up.params) // self.world)
+            if total > limit:
+                break
+            kept.add(i)
+        return kept
 
     def _check_budget(self, plan: Plan) -> None:
         """The largest set of units that must be gathered at once has to fit the live budget."""
@@ -834,13 +860,19 @@ class Stage3Runtime(RuntimeBase):
     def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(bytes held now, high-water mark) by (group, tier): the params tier holds the compute-copy
         shards; gathered units are reported by extras()."""
-        ps = self.params_store
-        frozen = self._frozen_shard_bytes()  # not in the ledger's weights: named in extras()
-        return {("weights", self.config.tiers.params): (ps.bytes_retained() - frozen, ps.peak_bytes() - frozen),
-                **self.state_retained()}
+        ps, cs = self.params_store, self.params_cpu_store
+        frozen = {tier_name: self._frozen_shard_bytes(store) for tier_name, store in
+                  ((self.config.tiers.params, ps), (CPU.name, cs))}  # not in the ledger's weights: named in extras()
+        held = {("weights", self.config.tiers.params): (ps.bytes_retained() - frozen[self.config.tiers.params],
+                                                        ps.peak_bytes() - frozen[self.config.tiers.params])}
+        if cs is not None:
+            held[("weights", CPU.name)] = (cs.bytes_retained() - frozen[CPU.name], cs.peak_bytes() - frozen[CPU.name])
+        return {**held, **self.state_retained()}
 
-    def _frozen_shard_bytes(self) -> int:
-        return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups if not g.trainable)
+    def _frozen_shard_bytes(self, store: Any = None) -> int:
+        """Frozen groups' shard bytes, of the units in `store` (None: every unit)."""
+        return sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups
+                   if not g.trainable and (store is None or u.store is store))
 
     def extras(self) -> dict[str, float]:
         """The shard optimizer's and the gradients' rows (RuntimeBase.state_extras), then the
@@ -848,7 +880,9 @@ class Stage3Runtime(RuntimeBase):
         s, trainable = self.stats(), [g for _, g in self._trainable()]
         groups = [g for u in self.units for g in u.groups]
         shards = sum(g.layout.shard_numel * g.flat.element_size() for g in groups)
-        rounding = self.params_store.bytes_retained() - shards if not self.params_store.addressable else 0
+        in_cpu = sum(g.layout.shard_numel * g.flat.element_size() for u in self.units for g in u.groups
+                     if u.store is self.params_cpu_store)
+        rounding = self.params_store.bytes_retained() - (shards - in_cpu) if not self.params_store.addressable else 0
         return {**self.state_extras({g.key: g.layout for g in trainable}),
                 "padding (weights)": padding({g.key: g.layout.shard_numel * g.flat.element_size() for g in trainable},
                                              {g.key: g.layout for g in groups}),
@@ -885,7 +919,7 @@ class Stage3Runtime(RuntimeBase):
         steps = [self.prefetcher.close] if self.prefetcher is not None else []
         if self.shard_optimizer is not None:
             steps += [self.shard_optimizer.close, self._settle_writes]
-        close_in_order(steps, [self.accumulator, self.params_store])
+        close_in_order(steps, [self.accumulator, self.params_store, getattr(self, "params_cpu_store", None)])
 
     def _settle_writes(self) -> None:
         for u in self.units:
