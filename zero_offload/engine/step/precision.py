@@ -1,4 +1,9 @@
-"""Loss scaling for fp16 and the global-norm clip coefficient.
+"""Loss scaling for fp16, the global-norm clip coefficient, and which dtypes precision changes.
+
+Only floating-point tensors take the compute dtype (`place`); integer, bool and complex ones keep
+their own, as eager torch has them. A trainable parameter the flat buffers cannot hold (complex:
+its master and moments would need the real/imaginary pairs torch's AdamW steps) is refused at
+initialize (`refuse_unheld`), never cast.
 
 The dynamic loss scaler multiplies the loss by `scale` before backward so small fp16 gradients do
 not flush to zero; the step divides it back out (as part of `grad_scale`, never as a separate pass
@@ -11,7 +16,27 @@ from __future__ import annotations
 
 import math
 
-from zero_offload.config import PrecisionConfig
+import torch
+from torch import nn
+
+from zero_offload.config import ConfigError, PrecisionConfig
+
+
+def refuse_unheld(model: nn.Module) -> None:
+    """A trainable parameter that is not floating point, in one line naming it (a cast to the
+    compute dtype would drop a complex parameter's imaginary part)."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and not p.is_floating_point():
+            raise ConfigError(f"initialize: trainable parameter '{name}' is {p.dtype}; zero_offload trains floating-point "
+                              "parameters only (it would cast it to the compute dtype): train it as a real float "
+                              "parameter (torch.view_as_complex in forward), or freeze it")
+
+
+def place(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Stages 0-2's model on `device`, its floating-point tensors in `dtype` and every other one
+    in its own (nn.Module.to(dtype) would cast complex tensors too, dropping the imaginary part)."""
+    refuse_unheld(model)
+    return model._apply(lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device))
 
 
 class LossScaler:
