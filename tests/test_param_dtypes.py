@@ -140,3 +140,38 @@ def test_trainable_complex_refused_at_initialize(stage: int) -> None:
             zero_offload.initialize(model, dict(stage=stage))
     assert "\n" not in str(err.value)
     assert model.w.dtype == torch.complex64 and torch.equal(model.w.detach(), before)
+
+
+def _two_ranks(rank: int, world: int, stage: int) -> None:
+    """Each rank trains on its half of every batch, from a model built with its own seed (rank
+    0's values, the integer and bool ones included, must reach every rank)."""
+    torch.manual_seed(rank)
+    model = Indexed()
+    engine = zero_offload.initialize(model, dict(stage=stage, optimizer={"lr": LR, "weight_decay": WD}))
+    try:
+        for x in inputs():
+            engine.backward(engine(x.chunk(world)[rank]))
+            engine.step()
+        sd = engine.consolidated_state_dict()
+        assert model.perm.dtype == torch.int64 and model.mask.dtype == torch.bool, f"rank {rank}"
+    finally:
+        engine.close()
+    if rank == 0:
+        assert_matches(sd, reference(), f"stage {stage} D={world}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_non_float_params_at_d2(stage: int) -> None:
+    from _dist import run_ranks
+
+    run_ranks(_two_ranks, 2, stage=stage)
+
+
+def test_meta_integer_param_refused_at_stage3() -> None:
+    """A meta integer parameter has no value and nothing fills it (the sources fill floats): one
+    line naming it, instead of a float placeholder."""
+    with torch.device("meta"):
+        model = Indexed()
+    with pytest.raises(ConfigError, match=r"frozen torch\.int64 parameter 'perm' is on the meta device") as err:
+        zero_offload.initialize(model, dict(stage=3), init_fn=lambda m: None)
+    assert "\n" not in str(err.value)
