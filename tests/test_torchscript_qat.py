@@ -127,6 +127,14 @@ def test_qat_checkpoint_loads_into_fresh_engine(stage: int) -> None:
     for k, v in expected.items():
         assert got[k].shape == v.shape, f"stage {stage}: {k}"
         torch.testing.assert_close(got[k], v, rtol=1e-6, atol=0, msg=f"stage {stage}: {k}")
+    ref = make_qat()  # and the training itself is eager torch's
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for x in xs:
+        (ref(x) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"stage {stage}, against torch: {k}")
 
 
 class Growing(nn.Module):
