@@ -28,8 +28,8 @@ def refuse_unheld(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.requires_grad and not p.is_floating_point():
             raise ConfigError(f"initialize: trainable parameter '{name}' is {p.dtype}; zero_offload trains floating-point "
-                              "parameters only (it would cast it to the compute dtype): train it as a real float "
-                              "parameter (torch.view_as_complex in forward), or freeze it")
+                              "parameters only: register its torch.view_as_real pair as a float parameter and "
+                              "take torch.view_as_complex of it in forward, or freeze it")
 
 
 def place(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
