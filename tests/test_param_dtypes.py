@@ -5,8 +5,9 @@ a frozen bool mask, a frozen complex constant and an integer buffer keep their d
 module, in consolidated_state_dict and through a checkpoint, and training matches
 torch.optim.AdamW; at stage 3 they stay whole in their module, outside the units (before, stage 3
 cast them to the compute dtype and forward failed indexing with a float tensor, and every stage
-cast the complex one to float32, dropping its imaginary part). A trainable complex parameter is
-refused at initialize in one line naming it, with no cast and no warning.
+cast the complex one to float32, dropping its imaginary part). A trainable complex64 parameter
+trains as torch's AdamW steps it, at every stage and tier; one the engine cannot hold (under
+bf16, or complex128) is refused at initialize in one line naming it, with no cast and no warning.
 """
 from __future__ import annotations
 
@@ -119,49 +120,118 @@ def test_frozen_non_float_params_keep_dtype(stage: int, tier: str) -> None:
 
 
 class Complex(nn.Module):
+    """A trainable complex64 weight between odd-sized real parameters (its pairs then sit after a
+    gap in the flat buffer, at an even offset), a frozen complex one, and a complex buffer."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.complex64) * 0.3)
+        self.a = nn.Parameter(torch.randn(5))
+        self.w = nn.Parameter(torch.randn(5, 8, dtype=torch.complex64) * 0.3)
+        self.b = nn.Parameter(torch.randn(7))
+        self.fixed = nn.Parameter(torch.randn(8, dtype=torch.complex64), requires_grad=False)
+        self.register_buffer("rot", torch.exp(1j * torch.arange(8.0)).to(torch.complex64))
         self.lin = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.lin((x.to(torch.complex64) @ self.w).abs()) ** 2).mean()
+        z = (x[:, :5] * self.a).to(torch.complex64) @ self.w * self.fixed * self.rot
+        return (self.lin(z.real + z.imag) ** 2).mean() + (self.b ** 2).mean() + z.abs().mean()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_trainable_complex_refused_at_initialize(stage: int) -> None:
-    """One line naming the parameter, before anything is cast (torch would warn "discards the
-    imaginary part" on the cast); the model is left as it was."""
-    model = Complex()
-    before = model.w.detach().clone()
+def make_complex(seed: int = 0) -> Complex:
+    torch.manual_seed(seed)
+    return Complex()
+
+
+def complex_reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    model = make_complex()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    for x in inputs()[:steps]:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def assert_close_all(sd: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tag: str) -> None:
+    assert set(sd) == set(ref), tag
+    for k, r in ref.items():
+        assert sd[k].dtype == r.dtype, f"{tag}: {k} is {sd[k].dtype}, torch's is {r.dtype}"
+        torch.testing.assert_close(sd[k], r, rtol=1e-5, atol=1e-6, msg=f"{tag}: {k}")
+
+
+@pytest.mark.parametrize("stage,tier", cases())
+def test_complex_params_step_as_torch_adamw(stage: int, tier: str) -> None:
+    """torch's AdamW steps a complex parameter through view_as_real (moments per real and per
+    imaginary part, weight decay on both): so does the engine, whose flat buffers hold it as
+    float32 pairs. Before, every stage cast it to float32 (its imaginary part dropped, a warning
+    the only sign). A checkpoint loads into a fresh engine, which trains on as the first does."""
+    ref, tag = complex_reference(), f"stage {stage} {tier}"
+    with tempfile.TemporaryDirectory() as d:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*imaginary part.*")
+            engine = zero_offload.initialize(make_complex(), config(stage, tier, d))
+        try:
+            for i, x in enumerate(inputs()):
+                engine.backward(engine(x))
+                engine.step()
+                if i == STEPS - 2:
+                    engine.save_checkpoint(f"{d}/ck")
+            assert_close_all(engine.consolidated_state_dict(), ref, tag)
+            assert engine.module.w.dtype == torch.complex64, f"{tag}: between passes too"
+        finally:
+            engine.close()
+        fresh = zero_offload.initialize(make_complex(seed=1), config(stage, tier, d))
+        try:
+            fresh.load_checkpoint(f"{d}/ck")
+            fresh.backward(fresh(inputs()[-1]))
+            fresh.step()
+            assert_close_all(fresh.consolidated_state_dict(), ref, f"{tag}, loaded")
+        finally:
+            fresh.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.complex64), ("fp32", torch.complex128)])
+def test_complex_the_engine_cannot_hold_refused(stage: int, precision: str, dtype: torch.dtype) -> None:
+    """complex64 pairs need float32 flat buffers (no bf16 complex exists); a complex128 one would
+    be cast. One line naming the parameter, before anything is cast; the model is as it was."""
+    model = nn.Linear(4, 4)
+    model.z = nn.Parameter(torch.randn(4, dtype=dtype))
+    before = model.z.detach().clone()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        with pytest.raises(ConfigError, match=r"trainable parameter 'w' is torch\.complex64") as err:
-            zero_offload.initialize(model, dict(stage=stage))
+        with pytest.raises(ConfigError, match=rf"trainable parameter 'z' is {dtype}") as err:
+            zero_offload.initialize(model, dict(stage=stage, precision={"dtype": precision}))
     assert "\n" not in str(err.value)
-    assert model.w.dtype == torch.complex64 and torch.equal(model.w.detach(), before)
+    assert model.z.dtype == dtype and torch.equal(model.z.detach(), before)
 
 
 def _two_ranks(rank: int, world: int, stage: int) -> None:
-    """Each rank trains on its half of every batch, from a model built with its own seed (rank
-    0's values, the integer and bool ones included, must reach every rank)."""
+    """Each rank trains on its half of every batch, from models built with its own seed (rank
+    0's values, the integer, bool and complex ones included, must reach every rank); the
+    complex parameter's pairs are split between the two shards."""
     torch.manual_seed(rank)
     model = Indexed()
-    engine = zero_offload.initialize(model, dict(stage=stage, optimizer={"lr": LR, "weight_decay": WD}))
+    cplx = make_complex(seed=rank)
+    cfg = dict(stage=stage, optimizer={"lr": LR, "weight_decay": WD})
+    engine, engine_c = zero_offload.initialize(model, cfg), zero_offload.initialize(cplx, cfg)
     try:
         for x in inputs():
-            engine.backward(engine(x.chunk(world)[rank]))
-            engine.step()
-        sd = engine.consolidated_state_dict()
+            for e in (engine, engine_c):
+                e.backward(e(x.chunk(world)[rank]))
+                e.step()
+        sd, sd_c = engine.consolidated_state_dict(), engine_c.consolidated_state_dict()
         assert model.perm.dtype == torch.int64 and model.mask.dtype == torch.bool, f"rank {rank}"
     finally:
         engine.close()
+        engine_c.close()
     if rank == 0:
         assert_matches(sd, reference(), f"stage {stage} D={world}")
+        assert_close_all(sd_c, complex_reference(), f"stage {stage} D={world}, complex")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_frozen_non_float_params_at_d2(stage: int) -> None:
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dtypes_at_d2(stage: int) -> None:
     from _dist import run_ranks
 
     run_ranks(_two_ranks, 2, stage=stage)
@@ -175,3 +245,23 @@ def test_meta_integer_param_refused_at_stage3() -> None:
     with pytest.raises(ConfigError, match=r"frozen torch\.int64 parameter 'perm' is on the meta device") as err:
         zero_offload.initialize(model, dict(stage=3), init_fn=lambda m: None)
     assert "\n" not in str(err.value)
+
+
+def test_layout_holds_complex_as_pairs() -> None:
+    """partition.FlatLayout: a complex entry takes 2 elements per value at an even offset (the gap
+    before it zeroed by flatten), comes back from views as the complex tensor itself, and its
+    pieces, shard_from and scatter_into count real elements."""
+    from zero_offload.partition import FlatLayout
+
+    real, z = torch.arange(3.0), torch.randn(2, 3, dtype=torch.complex64)
+    layout = FlatLayout.build([real.shape, z.shape], world=2, align=1, pairs=[False, True])
+    assert layout.offsets == (0, 4) and layout.numel == 16 and layout.gaps
+    flat = layout.flatten([real, z], aligned=False, dtype=torch.float32)
+    assert flat[3] == 0 and torch.equal(flat[4:16], torch.view_as_real(z).reshape(-1))
+    views = layout.views(flat)
+    assert views[1].dtype == torch.complex64 and torch.equal(views[1], z)
+    out = [torch.zeros(3), torch.zeros(2, 3, dtype=torch.complex64)]
+    for rank in range(2):
+        shard = layout.shard_from([real, z], rank, torch.empty(layout.shard_numel))
+        layout.scatter_into(shard, rank, out)
+    assert torch.equal(out[0], real) and torch.equal(out[1], z)

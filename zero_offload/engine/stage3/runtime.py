@@ -124,7 +124,7 @@ class Stage3Runtime(RuntimeBase):
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.users: dict[nn.Module, tuple[Unit, ...]] = {}
         self.refuse_compiled(model)
-        refuse_unheld(model)
+        refuse_unheld(model, self.dtype)
         plan = plan_units(model, config.stage3, elem)
         self._kept = _kept_params(model, self.device)
         meta = any(p.is_meta for p in model.parameters())
