@@ -265,3 +265,20 @@ def test_layout_holds_complex_as_pairs() -> None:
         shard = layout.shard_from([real, z], rank, torch.empty(layout.shard_numel))
         layout.scatter_into(shard, rank, out)
     assert torch.equal(out[0], real) and torch.equal(out[1], z)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_lazy_module_uninitialized_refused(stage: int) -> None:
+    """A lazy module not yet run has parameters without a shape: one line naming the first, not
+    torch's error from inside the engine's layout code."""
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    with pytest.raises(ConfigError, match=r"'0\.weight' is uninitialized \(a lazy module's") as err:
+        zero_offload.initialize(model, dict(stage=stage))
+    assert "\n" not in str(err.value)
+    model(torch.randn(2, 3))  # once run, it trains
+    engine = zero_offload.initialize(model, dict(stage=stage))
+    try:
+        engine.backward(engine(torch.randn(2, 3)).sum())
+        engine.step()
+    finally:
+        engine.close()

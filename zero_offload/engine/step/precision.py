@@ -27,7 +27,11 @@ def refuse_unheld(model: nn.Module, dtype: torch.dtype) -> None:
     """A trainable parameter the flat buffers of compute dtype `dtype` cannot hold, in one line
     naming it: complex64 pairs need float32 (no bf16 complex exists, and fp16's would change the
     parameter's dtype), and nothing holds another complex dtype without a cast, nor a meta one
-    (the meta build fills floats)."""
+    (the meta build fills floats). An uninitialized (lazy) parameter or buffer has no shape yet."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if nn.parameter.is_lazy(t):
+            raise ConfigError(f"initialize: '{name}' is uninitialized (a lazy module's, which takes its shape in its "
+                              "first forward): run one forward with a dummy batch before initialize")
     for name, p in model.named_parameters():
         if not p.requires_grad or p.is_floating_point():
             continue
