@@ -80,6 +80,31 @@ def test_scripted_model_refused_at_stage3() -> None:
     assert "\n" not in str(err.value)
 
 
+class TiedScript(nn.Module):
+    """A scripted head sharing the embedding's weight, which lives in the embedding's unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.jit.script(nn.Linear(8, 4, bias=False))
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+def test_scripted_module_sharing_another_units_weight_refused_at_stage3() -> None:
+    model = TiedScript()
+    assert model.head.weight is model.emb.weight
+    with pytest.raises(ConfigError, match="TorchScript module 'head' .* holds a parameter shared with another unit") as err:
+        zero_offload.initialize(model, dict(stage=3, stage3={"unit_modules": ["Embedding", "Linear"]}))
+    assert "\n" not in str(err.value)
+
+
 def make_qat() -> nn.Module:
     from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
 
