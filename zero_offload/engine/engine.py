@@ -159,8 +159,9 @@ class Engine:
             raise ConfigError(f"initialize: buffer '{meta}' is on the meta device (it has no value); build the "
                               "module that registers it for real, or use stage 3, which computes such buffers")
         from zero_offload.engine.buckets.runtime import BucketRuntime
+        from zero_offload.engine.step.precision import place
 
-        self.module = model.to(self.device, self.dtype)
+        self.module = place(model, self.device, self.dtype)  # floating-point tensors only
         self._broadcast_initial_state()
         self.runtime = BucketRuntime(self.module, config, self.device)
 

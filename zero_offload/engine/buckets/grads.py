@@ -71,7 +71,8 @@ def make_buckets(named: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
         else:
             rest.append((name, p))
     groups = _greedy(rest, bucket_bytes) + _greedy(trailing, bucket_bytes)  # trailing: one bucket at most
-    return [Bucket(i, [p for _, p in g], [n for n, _ in g], FlatLayout.build([p.shape for _, p in g], world))
+    return [Bucket(i, [p for _, p in g], [n for n, _ in g],
+                   FlatLayout.build([p.shape for _, p in g], world, pairs=[p.is_complex() for _, p in g]))
             for i, g in enumerate(groups)]
 
 

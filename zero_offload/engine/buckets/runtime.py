@@ -75,6 +75,9 @@ class BucketRuntime(RuntimeBase):
         # Each parameter's (version, address) as the engine last wrote it: a change between
         # steps is the user's (load_state_dict, an in-place edit), see _take_edits.
         self._stamps = {b.index: _stamps(b) for b in self.buckets}
+        # Each parameter's dtype as initialize placed it: the compute dtype, or complex64 for a
+        # complex parameter (held as float32 pairs, precision.refuse_unheld).
+        self._held_dtypes = {b.index: [p.dtype for p in b.params] for b in self.buckets}
 
     def _shard_of(self, b: Bucket, dtype: torch.dtype, rank: int) -> torch.Tensor:
         """Rank `rank`'s shard of bucket `b` as its parameters hold it now, in `dtype`."""
@@ -102,11 +105,11 @@ class BucketRuntime(RuntimeBase):
         self._stamps = stamps
 
     def _reseed(self, b: Bucket) -> None:
-        for name, p, shape in zip(b.names, b.params, b.layout.shapes):
-            if p.shape != shape or p.dtype != self.dtype or p.device != self.device:
+        for name, p, shape, held in zip(b.names, b.params, b.layout.shapes, self._held_dtypes[b.index]):
+            if p.shape != shape or p.dtype != held or p.device != self.device:
                 raise RuntimeError(f"engine.backward: parameter '{name}' was replaced by a tensor of shape "
                                    f"{tuple(p.shape)}, {p.dtype} on {p.device} after initialize; the engine holds "
-                                   f"{tuple(shape)}, {self.dtype} on {self.device}")
+                                   f"{tuple(shape)}, {held} on {self.device}")
         self.shard_optimizer.take_edit(b.key, self._shard_of(b, torch.float32, self.owner))
 
     def end_backward(self) -> None:
@@ -267,7 +270,8 @@ class BucketRuntime(RuntimeBase):
         return {n: tuple(p.shape) for b in self.buckets for n, p in zip(b.names, b.params)}
 
     def trainable_numel(self) -> int:
-        return sum(p.numel() for b in self.buckets for p in b.params)
+        """Elements of master and moments: a complex parameter's values count twice (its pairs)."""
+        return sum(b.layout.entry_numel(i) for b in self.buckets for i in range(len(b.params)))
 
     def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(bytes held now, high-water mark) of the engine's own allocations, by (group, tier)."""

@@ -31,7 +31,8 @@ def check_bindings(bindings: list[Binding]) -> None:
             raise RuntimeError(f"engine.backward: parameter '{name}' was {'unfrozen' if p.requires_grad else 'frozen'} "
                                f"(requires_grad={p.requires_grad}) after initialize; the trainable parameters are fixed "
                                "then: change it before initialize (or build a new engine)")
-        if mod._parameters.get(attr) is not p:
+        # `in` and [], not .get: a ScriptModule's _parameters is an OrderedDictWrapper without it.
+        if (mod._parameters[attr] if attr in mod._parameters else None) is not p:
             raise RuntimeError(f"engine.backward: parameter '{name}' was replaced by another object after "
                                "initialize (load_state_dict(assign=True), or a new nn.Parameter); the engine trains "
                                "the original: copy new values into it in place instead (with torch.no_grad(): "

@@ -24,12 +24,21 @@ unit_modules, leaf_modules still apply (a root strictly inside a leaf is dropped
 nest; a parameter belongs to the innermost root above the first module that registers it, so a
 tied parameter belongs to exactly one unit.
 
+A frozen parameter that is not floating point (an integer permutation, a bool mask) belongs to
+no unit (`kept_in_module`): it stays whole in its module, in its own dtype, as buffers do.
+
 Users. Each root "uses" its unit: it is gathered around the root's forward. A module that
 registers a parameter owned by a unit that does not enclose it (the tied LM head reading the
 embedding's weight) also uses that unit, and so does a module registered twice, under two units
 (one Linear shared by two blocks), for the units that own its parameters. `need_bytes` of a user
 is what must be gathered at once while it runs: its units plus every enclosing unit; the live
 budget must cover the largest.
+
+TorchScript. A ScriptModule (`torch.jit.script(...)`) takes no Python hooks, and its forward, run
+by the TorchScript interpreter, calls no hook of what it holds: it and everything inside it are
+never roots, their parameters belong to the unit of the nearest eager module above, gathered
+around that module's forward. The model itself scripted, or a scripted module that registers a
+parameter of another unit (a user), is refused at initialize in one line naming it.
 
 What no rule can see is checked when it happens: `RootCheck` stops the first forward (or the
 first backward) at the first module that runs while its unit is not gathered (its root's forward
@@ -40,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -73,10 +83,28 @@ def _bytes(module: nn.Module, elem: int) -> int:
 _PARAM_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
+def _is_script(module: nn.Module) -> bool:
+    """A TorchScript module: its forward runs in the interpreter, which calls no Python hook."""
+    return isinstance(module, torch.jit.ScriptModule)
+
+
 def _runs(module: nn.Module) -> bool:
     """Whether the class has a forward: a plain ModuleList or ModuleDict never runs (its owner
-    calls its items); a subclass with a forward (a ModuleDict of experts that routes) does."""
-    return type(module).forward is not nn.Module.forward
+    calls its items); a subclass with a forward (a ModuleDict of experts that routes) does. (A
+    ScriptModule's class attribute `forward` is a descriptor that fails when read from the class.)"""
+    return _is_script(module) or type(module).forward is not nn.Module.forward
+
+
+def kept_in_module(p: nn.Parameter) -> bool:
+    """A frozen parameter of a dtype no compute-copy flat buffer holds (an integer permutation, a
+    bool mask, a complex constant) stays whole in its module, in its own dtype, as a buffer does:
+    cast to the compute dtype it would index or compare wrong, and it has no gradient to reduce."""
+    return not p.requires_grad and not p.is_floating_point()
+
+
+def scripted(model: nn.Module) -> set[int]:
+    """ids of every ScriptModule and every module inside one: no hook can go on them."""
+    return {id(d) for m in model.modules() if _is_script(m) for d in m.modules()}
 
 
 def _holds_params(module: nn.Module) -> bool:
@@ -143,7 +171,7 @@ def _roots(model: nn.Module, cfg: Stage3Config, elem: int) -> set[nn.Module]:
         roots = {m for m in model.modules() if type(m).__name__ in cfg.unit_modules} | {model}
     else:
         roots = _default_roots(model, cfg.unit_bytes, elem, leaves)
-    inside = {id(d) for leaf in leaves for d in leaf.modules() if d is not leaf}
+    inside = {id(d) for leaf in leaves for d in leaf.modules() if d is not leaf} | scripted(model)
     return {r for r in roots | leaves if id(r) not in inside or r is model}
 
 
@@ -221,7 +249,7 @@ def plan_units(model: nn.Module, cfg: Stage3Config, elem: int) -> Plan:
             chain = chain + (unit_of[module],)
             users.setdefault(module, set()).add(unit_of[module])
         for name, p in module._parameters.items():
-            if p is None:
+            if p is None or kept_in_module(p):
                 continue
             if id(p) not in owner:
                 owner[id(p)] = chain[-1]
@@ -242,10 +270,30 @@ def plan_units(model: nn.Module, cfg: Stage3Config, elem: int) -> Plan:
             users.setdefault(module, set()).update(foreign)
             chains[module] = tuple(sorted(set(chains.get(module, ())) | set(chain) | users[module]))
 
+    _refuse_script(model)
     walk(model, "", ())
+    _refuse_script_users(model, users)
     plan = _drop_empty(units, {m: tuple(sorted(s)) for m, s in users.items()}, chains)
     plan.routed, plan.siblings = _routed_and_siblings(model, plan.units, cfg.leaf_modules)
     return plan
+
+
+def _refuse_script(model: nn.Module) -> None:
+    """Stage 3 starts each pass in the model's forward pre-hook, which a ScriptModule cannot take."""
+    if _is_script(model):
+        raise ConfigError(f"stage 3 cannot train a model that is itself a TorchScript module ({type(model).__name__}): "
+                          "its forward takes no hooks; wrap it in an eager nn.Module, or use stages 0-2")
+
+
+def _refuse_script_users(model: nn.Module, users: dict[nn.Module, set[int]]) -> None:
+    """A scripted module that reads another unit's parameter (a tied weight) would need a hook
+    around its own forward to gather that unit."""
+    inside = scripted(model)
+    for name, m in model.named_modules(remove_duplicate=False):
+        if id(m) in inside and m in users:
+            raise ConfigError(f"stage 3: TorchScript module '{name}' ({type(m).__name__}) holds a parameter shared "
+                              "with another unit (a tied weight), which it cannot gather (a ScriptModule takes no "
+                              "hooks): untie it, script only modules that own their parameters, or use stages 0-2")
 
 
 def _drop_empty(units: list[UnitPlan], users: dict[nn.Module, tuple[int, ...]],
@@ -284,7 +332,10 @@ class RootCheck:
         owner = {id(p): i for i, u in enumerate(plan.units) for _, p in u.params}
         self.ran: set[int] = set()
         self.handles: list[RemovableHandle] = []
+        inside = scripted(model)
         for name, m in model.named_modules():
+            if id(m) in inside:
+                continue  # no hook on a ScriptModule; its unit is its eager parent's, checked there
             units = sorted({owner[id(p)] for p in m._parameters.values() if p is not None and id(p) in owner})
             self.handles.append(m.register_forward_pre_hook(self._pre_hook(name, units), with_kwargs=True))
 

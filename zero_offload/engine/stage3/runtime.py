@@ -50,13 +50,14 @@ from zero_offload.engine.stage3 import hooks
 from zero_offload.engine.model import materialize
 from zero_offload.engine.step.accumulate import Accumulator, missing_ranges
 from zero_offload.engine.stage3.prefetch import BudgetExceeded, Prefetcher, check_same_unit
+from zero_offload.engine.step.precision import refuse_unheld
 from zero_offload.engine.step.shard_optimizer import DTYPES, ShardOptimizer
 from zero_offload.engine.model.attributes import check_bindings, param_bindings
 from zero_offload.engine.phase import Phase, PhaseMachine, PhaseView
 from zero_offload.engine.runtime import (FROZEN_ROW, FlatSource, RuntimeBase, close_in_order, consolidate, padding,
                                           pieces_of)
 from zero_offload.engine.stage3.unit import FlatGroup, GatherBuffers, PassStateError, Unit, UnitPass, UnitState
-from zero_offload.engine.stage3.policy import Plan, RootCheck, plan_units
+from zero_offload.engine.stage3.policy import Plan, RootCheck, kept_in_module, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
 from zero_offload.optim.registry import spec_for
 from zero_offload.store import make_store
@@ -94,6 +95,21 @@ def _has_frozen(u: Unit) -> bool:
     return any(not g.trainable for g in u.groups)
 
 
+def _kept_params(model: nn.Module, device: torch.device) -> list[nn.Parameter]:
+    """The frozen parameters no unit holds (policy.kept_in_module: integer, bool, complex), moved
+    whole to the compute device in their own dtype, as the buffers are; one on the meta device has
+    no value to keep, and none of the sources that fill units (they fill floats) gives it one."""
+    kept: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters():
+        if kept_in_module(p):
+            if p.is_meta:
+                raise ConfigError(f"initialize: frozen {p.dtype} parameter '{name}' is on the meta device; stage 3 "
+                                  "fills only floating-point parameters: build the module that registers it for real")
+            p.data = p.data.to(device)
+            kept[id(p)] = p
+    return list(kept.values())
+
+
 class Stage3Runtime(RuntimeBase):
     """Stage 3 behind the Engine's runtime interface; see the module docstring."""
 
@@ -110,7 +126,9 @@ class Stage3Runtime(RuntimeBase):
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.users: dict[nn.Module, tuple[Unit, ...]] = {}
         self.refuse_compiled(model)
+        refuse_unheld(model, self.dtype)
         plan = plan_units(model, config.stage3, elem)
+        self._kept = _kept_params(model, self.device)
         meta = any(p.is_meta for p in model.parameters())
         shapes = {id(p): p.shape for u in plan.units for _, p in u.params}
         if meta:
@@ -145,7 +163,7 @@ class Stage3Runtime(RuntimeBase):
             for u in self.units:
                 self._materialize(u, filler)
             filler.finish(self.device, self.dtype)  # every buffer has its value (or initialize fails naming it)
-            for b in model.buffers():
+            for b in [*model.buffers(), *self._kept]:
                 comm.broadcast_(b.data, 0)
             del source
             self.prefetcher = Prefetcher(self.units, config.stage3.live_budget_bytes, config.stage3.prefetch_depth,

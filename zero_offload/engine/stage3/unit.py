@@ -113,6 +113,7 @@ class Unit:
             chosen = [(n, p, s) for n, p, s in named_params if p.requires_grad == trainable]
             if chosen:
                 self.groups.append(self._make_group(chosen, trainable))
+        self._has_pairs = any(g.layout.pairs for g in self.groups)  # complex parameters held as float pairs
         self._pending: Callable[[], None] | None = None
         self._writes: dict[str, tuple[Handle, torch.Tensor]] = {}  # writes in flight and their values, by group key
         self._write_lock = threading.Lock()
@@ -120,7 +121,7 @@ class Unit:
         self._gathered_marks: dict[int, tuple[int, int]] = {}  # id(param) -> (version, address) as gathered
 
     def _make_group(self, named: list[tuple[str, nn.Parameter, torch.Size]], trainable: bool) -> FlatGroup:
-        layout = FlatLayout.build([s for _, _, s in named], self.world)
+        layout = FlatLayout.build([s for _, _, s in named], self.world, pairs=[p.is_complex() for _, p, _ in named])
         flat = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         flat.untyped_storage().resize_(0)
         key = f"unit{self.index}.{'trainable' if trainable else 'frozen'}"
@@ -258,9 +259,10 @@ class Unit:
         a change made while sharded (`p.data = t`, an in-place edit, a parametrization's
         `set_`) would be overwritten by the next gather without a word; _check_untouched refuses it."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        pairs = torch.empty(0, dtype=empty.dtype.to_complex(), device=self.device) if self._has_pairs else empty
         for g in self.groups:
-            for p in g.params:
-                p.data = empty
+            for i, p in enumerate(g.params):
+                p.data = pairs if g.layout.pairs and g.layout.pairs[i] else empty  # a complex one stays complex
                 self._sharded_versions[id(p)] = p._version
 
     def _check_untouched(self) -> None:

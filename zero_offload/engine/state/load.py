@@ -4,9 +4,10 @@ runtime and the module, reading each shard file again. Every file is checked by 
 verifier, against what the manifest recorded."""
 from __future__ import annotations
 
+import copy
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from zero_offload import comm
 from zero_offload.config import Config
 from zero_offload.engine.runtime import ModelView, Runtime, TrainingState
 from zero_offload.engine.state import files, manifest_checks
-from zero_offload.engine.state.common import agree, attempt
+from zero_offload.engine.state.common import agree, attempt, non_trainable
 from zero_offload.engine.state.files import CLIENT_FILE, READABLE, CheckpointError, Kind, why
 from zero_offload.engine.state.plan import Copies, check_frozen_home, check_shapes, checked_non_trainable, lagging, plan
 from zero_offload.engine.state.reader import Reader
@@ -36,6 +37,9 @@ class _Load:
     same_world: bool
     client_state: dict[Any, Any] | None = None
     lagging: dict[str, list[list[int]]] | None = None  # every writer's, by parameter name
+    # Buffers saved in another shape, by state_dict name: (the module that registers them, their
+    # name there); its own _load_from_state_dict resizes them, as module.load_state_dict would.
+    resized: dict[str, tuple[torch.nn.Module, str]] = field(default_factory=dict)
 
 
 def prepare_load(rt: Runtime, model: ModelView, config: Config, path: str) -> _Load:
@@ -104,9 +108,11 @@ def _prepare(rt: Runtime, model: ModelView, config: Config, path: str) -> _Load:
     own = f"rank{comm.rank()}.buffers.pt"
     if same_world and own in manifest["files"]:  # this rank's own buffers, as it left them
         module_held.update(_own_buffers(reader.get(own), module_held, os.path.join(root, own)))
-    return _Load(root, manifest, reader, shards, frozen, checked_non_trainable(rt, model.module, module_held, root),
+    resized = _resized(model.module, non_trainable(rt, model.module), module_held, root)
+    return _Load(root, manifest, reader, shards, frozen,
+                 checked_non_trainable(rt, model.module, module_held, root, frozenset(resized)),
                  _rng(reader, manifest) if same_world else None, same_world, _read_client(root, manifest),
-                 lagging(root, maps))
+                 lagging(root, maps), resized)
 
 
 def _read_manifest(root: str) -> dict[str, Any]:
@@ -209,6 +215,47 @@ def _own_buffers(saved: dict[str, torch.Tensor], model_pt: dict[str, torch.Tenso
     return dict(saved)
 
 
+def _resized(module: torch.nn.Module, current: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
+             root: str) -> dict[str, tuple[torch.nn.Module, str]]:
+    """The buffers model.pt holds in another shape than the module's now (a QAT observer's
+    per-channel min/max and a FakeQuantize's scale start as one element and take the channels'
+    shape in the first forward; a lazy module's buffers), each tried first on a copy of the module
+    that registers it through that module's own `_load_from_state_dict`, as
+    `module.load_state_dict` would load it: accepted where that resizes it to the saved shape,
+    refused, in one line with torch's own message, where torch would refuse it too."""
+    out: dict[str, tuple[torch.nn.Module, str]] = {}
+    for key, t in current.items():
+        value = saved.get(key)
+        if value is None or value.shape == t.shape:
+            continue  # a missing name is checked_non_trainable's to refuse
+        path, _, local = key.rpartition(".")
+        owner = module.get_submodule(path)
+        if local not in owner._buffers:
+            continue  # a frozen parameter: checked_non_trainable refuses another shape
+        trial = copy.copy(owner)  # its own buffers cloned, no parameters, no children: the real one is untouched
+        trial.__dict__.update(_buffers={k: None if b is None else b.clone() for k, b in owner._buffers.items()},
+                              _parameters={}, _modules={})
+        errors = _load_own(trial, local, value)
+        if errors or trial._buffers[local].shape != value.shape:
+            why_not = errors[0].splitlines()[0] if errors else f"its loader keeps shape {tuple(t.shape)}"
+            raise CheckpointError(f"checkpoint {root}: model.pt's {key!r} is {tuple(value.shape)}, the model's is "
+                                  f"{tuple(t.shape)}, and {type(owner).__name__}'s load_state_dict refuses it: {why_not}")
+        out[key] = (owner, local)
+    return out
+
+
+def _load_own(owner: torch.nn.Module, local: str, value: torch.Tensor) -> list[str]:
+    """One buffer through `owner`'s own `_load_from_state_dict` (not its children's), with the
+    metadata version its class records in a state_dict now; returns torch's error messages."""
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+    with torch.no_grad():
+        owner._load_from_state_dict({local: value}, "", {"version": type(owner)._version}, False,
+                                    missing, unexpected, errors)
+    return errors
+
+
 def _rng(reader: Reader, manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     """This rank's RNG states, checked against the manifest; from a checkpoint written before the
     manifest listed them, the file as it is (None if absent)."""
@@ -244,9 +291,13 @@ def _apply(rt: Runtime, model: ModelView, loaded: _Load) -> None:
         out = rt.read_frozen(key).clone()  # the shard's size, dtype and padding; every piece is overwritten
         _fill({"value": out}, pieces, loaded.reader)
         rt.write_frozen(key, out)
+    resized = {id(owner._buffers[local]): (owner, local) for owner, local in loaded.resized.values()}
     with torch.no_grad():
         for t, saved in loaded.non_trainable:
-            t.copy_(saved)
+            if id(t) in resized:
+                _load_own(*resized[id(t)], saved)  # errors: none, as prepare found on a copy
+            else:
+                t.copy_(saved)
     # fp16's loss scaler state means nothing to another precision, nor to a static scale
     opt.load_scalars(manifest["optimizer"], same_layout=loaded.same_world,
                      scaler=manifest["precision"] == "fp16" and opt.scaler.dynamic,

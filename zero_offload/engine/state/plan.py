@@ -75,11 +75,12 @@ def check_frozen_home(rt: Runtime, module: nn.Module, stage: int, root: str, sav
                               f"at stage {'3' if saved_stage == 3 else '0, 1 or 2'}")
 
 
-def checked_non_trainable(rt: Runtime, module: nn.Module, saved: dict[str, torch.Tensor],
-                          root: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def checked_non_trainable(rt: Runtime, module: nn.Module, saved: dict[str, torch.Tensor], root: str,
+                          resized: frozenset[str] = frozenset()) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(module tensor, saved value) for every buffer and module-held frozen parameter, after
     checking that model.pt holds exactly these names with the same shapes, and the same dtype
-    (a floating-point one may come from another float precision)."""
+    (a floating-point one may come from another float precision). Names in `resized` may differ
+    in shape: their module's own loader resizes them (load.py checked that it does)."""
     current = non_trainable(rt, module)
     if set(saved) != set(current):
         diff = sorted(set(saved) ^ set(current))[:3]
@@ -88,7 +89,7 @@ def checked_non_trainable(rt: Runtime, module: nn.Module, saved: dict[str, torch
     for k, t in current.items():
         v = saved[k]
         same_kind = v.dtype == t.dtype or (v.dtype.is_floating_point and t.dtype.is_floating_point)
-        if v.shape != t.shape or not same_kind:
+        if (v.shape != t.shape and k not in resized) or not same_kind:
             raise CheckpointError(f"checkpoint {root}: model.pt's {k!r} is {v.dtype} {tuple(v.shape)}, "
                                   f"the model's is {t.dtype} {tuple(t.shape)}")
         pairs.append((t, v))

@@ -1,4 +1,10 @@
-"""Loss scaling for fp16 and the global-norm clip coefficient.
+"""Loss scaling for fp16, the global-norm clip coefficient, and which dtypes precision changes.
+
+Only floating-point tensors take the compute dtype (`place`); integer, bool and complex ones keep
+their own, as eager torch has them. A trainable complex64 parameter is held as float32
+(real, imag) pairs (partition.FlatLayout's `pairs`), stepped as torch's AdamW steps it (through
+torch.view_as_real), so it trains only where the compute dtype is float32; any other trainable
+parameter that is not floating point is refused at initialize (`refuse_unheld`), never cast.
 
 The dynamic loss scaler multiplies the loss by `scale` before backward so small fp16 gradients do
 not flush to zero; the step divides it back out (as part of `grad_scale`, never as a separate pass
@@ -11,7 +17,38 @@ from __future__ import annotations
 
 import math
 
-from zero_offload.config import PrecisionConfig
+import torch
+from torch import nn
+
+from zero_offload.config import ConfigError, PrecisionConfig
+
+
+def refuse_unheld(model: nn.Module, dtype: torch.dtype) -> None:
+    """A trainable parameter the flat buffers of compute dtype `dtype` cannot hold, in one line
+    naming it: complex64 pairs need float32 (no bf16 complex exists, and fp16's would change the
+    parameter's dtype), and nothing holds another complex dtype without a cast, nor a meta one
+    (the meta build fills floats). An uninitialized (lazy) parameter or buffer has no shape yet."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if nn.parameter.is_lazy(t):
+            raise ConfigError(f"initialize: '{name}' is uninitialized (a lazy module's, which takes its shape in its "
+                              "first forward): run one forward with a dummy batch before initialize")
+    for name, p in model.named_parameters():
+        if not p.requires_grad or p.is_floating_point():
+            continue
+        if p.dtype == torch.complex64 and dtype == torch.float32 and not p.is_meta:
+            continue
+        why = ("a meta complex parameter has no value the meta build fills" if p.is_meta and p.is_complex() else
+               f"complex64 parameters train with precision fp32 only (as float32 pairs), not {dtype}"
+               if p.dtype == torch.complex64 else "zero_offload trains floating-point and complex64 parameters only")
+        raise ConfigError(f"initialize: trainable parameter '{name}' is {p.dtype}; {why}: register its "
+                          "torch.view_as_real pair as a float parameter (torch.view_as_complex in forward), or freeze it")
+
+
+def place(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Stages 0-2's model on `device`, its floating-point tensors in `dtype` and every other one
+    in its own (nn.Module.to(dtype) would cast complex tensors too, dropping the imaginary part)."""
+    refuse_unheld(model, dtype)
+    return model._apply(lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device))
 
 
 class LossScaler:
