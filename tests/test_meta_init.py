@@ -214,3 +214,80 @@ def test_from_pretrained_loads_what_transformers_loads(name: str, tmp_path: Any)
     assert got.keys() == want.keys()
     differ = [k for k in want if not torch.equal(got[k], want[k])]
     assert not differ, f"{name}: {differ[:5]}"
+
+
+def test_a_spanning_init_that_reads_another_units_values_is_refused_in_one_line() -> None:
+    """A container's init that reads (not just the shape of) a parameter of another unit cannot
+    run unit by unit: one line naming the module and the fix, not torch's meta-tensor error."""
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)).sum()
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, Root):
+            module.b.weight.copy_(module.a.weight * 2)
+
+    with torch.device("meta"):
+        model = Root()
+    with pytest.raises(RuntimeError, match=r"^initialize: the initialization of '<root>' \(Root\) raised .*; its "
+                                           r"parameters span several stage-3 units .*: name the module in "
+                                           r"stage3.unit_modules to make it one unit, or pass weights=$") as info:
+        zero_offload.initialize(model, {**CFG, "stage3": {"unit_modules": ["Linear"]}}, init_fn=init)
+    assert "\n" not in str(info.value)
+
+
+class _Lacking:
+    """A WeightSource of our own that lets what it lacks be initialized (init_missing)."""
+
+    init_missing = True
+
+    def __init__(self, stored: dict[str, torch.Tensor]) -> None:
+        self.stored, self.where = stored, "my source"
+
+    def names(self) -> Any:
+        return self.stored.keys()
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.stored[name]
+
+
+def test_what_a_source_lacks_is_initialized_and_what_it_holds_is_kept() -> None:
+    """A Linear whose weight the source lacks: its reset_parameters draws the weight and writes
+    its bias too; the bias the source holds is put back (read again)."""
+    stored = {"0.bias": torch.arange(4.0), "1.weight": torch.ones(2, 4), "1.bias": torch.zeros(2)}
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    engine = zero_offload.initialize(model, {**CFG, "stage3": {"unit_modules": ["Linear"]}}, weights=_Lacking(stored))
+    state = engine.consolidated_state_dict()
+    engine.close()
+    for k, v in stored.items():
+        assert torch.equal(state[k], v), k
+    assert state["0.weight"].std() > 0 and not torch.isnan(state["0.weight"]).any()
+
+
+def test_from_pretrained_keeps_a_loaded_bias_beside_a_missing_weight(tmp_path: Any) -> None:
+    """transformers' _init_weights zeroes a Linear's bias when it draws its weight; the loaded
+    bias is marked loaded (_is_hf_initialized) for the call and stays as stored."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    eager = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, attention_bias=True))
+    folder = os.path.join(str(tmp_path), "llama")
+    eager.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    tensors[bias] = torch.arange(32.0)  # not the zeros _init_weights writes
+    save_file(tensors, path)
+    with pytest.warns(UserWarning, match="1 tensors of LlamaForCausalLM are not in"):
+        engine = from_pretrained(folder, CFG)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    assert torch.equal(state[bias], tensors[bias])
+    assert 0.01 < float(state["model.layers.0.self_attn.q_proj.weight"].std()) < 0.03
