@@ -291,3 +291,37 @@ def test_from_pretrained_keeps_a_loaded_bias_beside_a_missing_weight(tmp_path: A
     engine.close()
     assert torch.equal(state[bias], tensors[bias])
     assert 0.01 < float(state["model.layers.0.self_attn.q_proj.weight"].std()) < 0.03
+
+
+def _load_lacking_on_rank(rank: int, world: int, folder: str, out: str) -> None:
+    torch.manual_seed(rank)  # each rank would draw its own values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = from_pretrained(folder, CFG)
+    with engine.gathered():
+        value = engine.module.model.layers[0].mlp.up_proj.weight.detach().clone()
+    engine.close()
+    torch.save(value, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_a_tensor_the_folder_lacks_is_rank_0s_on_every_rank(tmp_path: Any) -> None:
+    """Initialized at random on each rank, a missing tensor would be a mix of the ranks' draws
+    (each keeps its own shard): the unit that drew it is broadcast from rank 0, as a meta model's
+    init is (before, only without weights), so two ranks hold what one process seeded as rank 0 draws."""
+    from _dist import run_ranks
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    eager = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    folder = os.path.join(str(tmp_path), "llama")
+    eager.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, path)
+    _load_lacking_on_rank(0, 1, folder, str(tmp_path))
+    alone = torch.load(os.path.join(str(tmp_path), "rank0.pt"))
+    run_ranks(_load_lacking_on_rank, 2, folder=folder, out=str(tmp_path))
+    first, second = (torch.load(os.path.join(str(tmp_path), f"rank{r}.pt")) for r in range(2))
+    assert torch.equal(first, alone) and torch.equal(second, alone) and alone.std() > 0
