@@ -325,3 +325,21 @@ def test_a_tensor_the_folder_lacks_is_rank_0s_on_every_rank(tmp_path: Any) -> No
     run_ranks(_load_lacking_on_rank, 2, folder=folder, out=str(tmp_path))
     first, second = (torch.load(os.path.join(str(tmp_path), f"rank{r}.pt")) for r in range(2))
     assert torch.equal(first, alone) and torch.equal(second, alone) and alone.std() > 0
+
+
+def test_zero_offload_trainer_takes_a_meta_model_initialized_as_eager(tmp_path: Any) -> None:
+    """The issue's other door: a meta model given to ZeroOffloadTrainer (no weights) trained
+    from zero norms too."""
+    from _hf import Tokens, training_args
+    from zero_offload.hf import ZeroOffloadTrainer
+
+    model = _on_meta("llama")
+    with zoo.quiet():
+        trainer = ZeroOffloadTrainer(model=model, args=training_args(str(tmp_path), max_steps=1),
+                                     train_dataset=Tokens(4), zero_offload_config=CFG)
+    try:
+        with trainer.engine.gathered():
+            assert torch.equal(model.model.norm.weight.detach(), torch.ones(32))
+            assert 0.015 < float(model.model.layers[0].mlp.up_proj.weight.detach().std()) < 0.025
+    finally:
+        trainer.engine.close()
