@@ -343,3 +343,30 @@ def test_zero_offload_trainer_takes_a_meta_model_initialized_as_eager(tmp_path: 
             assert 0.015 < float(model.model.layers[0].mlp.up_proj.weight.detach().std()) < 0.025
     finally:
         trainer.engine.close()
+
+
+def _lora_on_meta() -> nn.Module:
+    peft = pytest.importorskip("peft")
+    with torch.device("meta"), zoo.quiet():
+        return peft.get_peft_model(ZOO["llama"](), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def test_an_adapter_added_to_a_meta_model_is_refused_unless_init_fn_initializes_it() -> None:
+    """PEFT's LoRA layers, added after the Llama was built on the meta device, took the Llama's
+    _init_weights: LoRA's B started at normal(0, 0.02), not at zero as in an eager build."""
+    with pytest.raises(ValueError, match=r"^initialize: module 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj"
+                                         r"\.base_layer' \(Linear\) \(and \d+ more\) of the meta-device model is not one "
+                                         r"its transformers model builds from its config \(added after construction"):
+        zero_offload.initialize(_lora_on_meta(), CFG)
+
+    def init(module: nn.Module) -> None:  # the adapters' own init: B (r = 4 inputs) at zero, A keeps its reset_parameters
+        if isinstance(module, nn.Linear) and module.in_features == 4:
+            nn.init.zeros_(module.weight)
+    model = _lora_on_meta()
+    engine = zero_offload.initialize(model, CFG, init_fn=init)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    b = [k for k in state if "lora_B" in k]
+    assert b and all(torch.equal(state[k], torch.zeros_like(state[k])) for k in b)
+    assert all(state[k].std() > 0 for k in state if "lora_A" in k)
+    assert torch.equal(state["base_model.model.model.norm.weight"], torch.ones(32))  # the rest: the model's init

@@ -15,9 +15,15 @@ initialization an eager build runs, unit by unit:
 tensor, hence the same distributions (and the same constants: norms at one, biases at zero);
 not the same random numbers, since the eager build draws every constructor's numbers first.
 
+Modules added to a transformers model after its construction (a PEFT adapter; added_modules)
+have an initialization of their own, which the engine cannot know: without weights they are
+refused unless init_fn is given (which then initializes them after their reset_parameters).
+
 A parameter no initializer writes is refused at initialize, naming it (it would otherwise start
 at zero, or hold whatever memory held): every parameter of a unit starts at NaN and must not
-be NaN after the unit's inits. With a WeightSource whose `init_missing` is true (the
+be NaN after the unit's inits. With weights, a transformers-style model's `_init_weights` still
+computes the buffers the weights do not hold (non-persistent ones), on the modules holding them,
+as transformers' loader does. With a WeightSource whose `init_missing` is true (the
 transformers loader's, zero_offload.hf.from_pretrained), a tensor the source does not hold is
 initialized as transformers' own loader does: the model's `_init_weights` alone (transformers
 builds on the meta device too, so no constructor ran), run on the modules whose subtree holds a
@@ -73,8 +79,9 @@ def _reset_of(module: nn.Module) -> Callable[[], None] | None:
 def has_model_init(module: nn.Module) -> bool:
     """Whether `module` initializes the modules below it as a transformers PreTrainedModel does:
     `_init_weights(module)`, driven by `initialize_weights()` (or `init_weights()`) in its post_init."""
-    return callable(getattr(module, "_init_weights", None)) and (
-        callable(getattr(module, "initialize_weights", None)) or callable(getattr(module, "init_weights", None)))
+    cls = type(module)  # its class's: a wrapper forwarding attributes (a PeftModel) is not the model
+    return callable(getattr(cls, "_init_weights", None)) and (
+        callable(getattr(cls, "initialize_weights", None)) or callable(getattr(cls, "init_weights", None)))
 
 
 def model_inits(model: nn.Module) -> dict[int, nn.Module]:
@@ -91,6 +98,27 @@ def model_inits(model: nn.Module) -> dict[int, nn.Module]:
                 walk(child, here)
     walk(model, None)
     return owner
+
+
+def added_modules(model: nn.Module, owners: Mapping[int, nn.Module]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module under an outermost transformers-style model that its class,
+    built again from its config (on the meta device: nothing allocated, nothing drawn), does not
+    make there: a module added after construction (a PEFT adapter, the layer it wraps), which that
+    model's `_init_weights` never saw in an eager build. Unchecked where it cannot be built so."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, top in model.named_modules():
+        parent = name.rpartition(".")[0] if name else None
+        if owners.get(id(top)) is not top or (parent is not None and owners.get(id(model.get_submodule(parent)))):
+            continue  # not an outermost model
+        try:
+            with torch.device("meta"), torch.random.fork_rng(devices=[]):
+                fresh = dict(type(top)(top.config).named_modules())
+        except Exception:  # noqa: BLE001 - a constructor taking more than its config: not checked
+            continue
+        for sub_name, sub in top.named_modules():
+            if sub_name not in fresh or type(fresh[sub_name]) is not type(sub):
+                out.append((f"{name}.{sub_name}".strip("."), sub))
+    return out
 
 
 def post_order(model: nn.Module) -> list[nn.Module]:
@@ -146,6 +174,9 @@ class WeightFiller:
                 if p is not None:
                     self.first_owner.setdefault(id(p), module)
         self.order = post_order(model)
+        self.added: set[int] = set()  # modules the model's _init_weights does not initialize (added_modules)
+        if meta and weights is None and self.owners:
+            self._check_added(added_modules(model, self.owners))
         # id(module) -> ids of the parameters first registered in its subtree: a module is
         # initialized in each unit holding one of them.
         self.owned: dict[int, set[int]] = {}
@@ -154,6 +185,7 @@ class WeightFiller:
             self.owned[id(module)] = mine.union(*(self.owned[id(c)] for c in module.children()))
         self.initialized: set[int] = set()  # id of every module an init was called on
         self.drew = False  # whether the last fill ran an init (its values may differ by rank)
+        self._stand_ins: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (_call)
         # Buffers get their values now, before any init runs: an init that writes a buffer (a
         # BatchNorm's reset_running_stats) writes over the constructor's value, as in eager construction.
         self.buffers = MetaBuffers(model, weights, source, self.shapes,
@@ -236,9 +268,24 @@ class WeightFiller:
             for module in modules:
                 self._call(step, module, in_unit, loaded)
 
+    def _check_added(self, added: list[tuple[str, nn.Module]]) -> None:
+        """Modules added to a transformers model after its construction have an initialization
+        of their own that the engine cannot know (LoRA's B starts at zero): refused unless
+        init_fn initializes them (after their reset_parameters; the model's _init_weights is not
+        called on them, as in an eager build)."""
+        with_params = [(n, m) for n, m in added if any(True for _ in m.parameters(recurse=False))]
+        if with_params and self.init_fn is None:
+            name, module = with_params[0]
+            more = f" (and {len(with_params) - 1} more)" if len(with_params) > 1 else ""
+            raise ValueError(f"initialize: module '{name}' ({type(module).__name__}){more} of the meta-device model is "
+                             f"not one its transformers model builds from its config (added after construction, as "
+                             "an adapter is), so how an eager build initializes it is unknown: pass weights=, or an "
+                             "init_fn that initializes it, or build the model off the meta device")
+        self.added = {id(m) for _, m in added}
+
     def _model_init(self, module: nn.Module) -> None:
         owner = self.owners.get(id(module))
-        if owner is not None:
+        if owner is not None and id(module) not in self.added:
             owner._init_weights(module)
 
     def _call(self, step: InitFn, module: nn.Module, in_unit: set[int], loaded: Mapping[int, tuple[str, torch.Tensor]]) -> None:
@@ -247,16 +294,11 @@ class WeightFiller:
         marked as loaded, and read again should the init write them anyway."""
         inside = set(map(id, module.modules()))
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-        stand_ins: dict[int, nn.Parameter] = {}
         kept: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         marked: dict[int, tuple[nn.Parameter, int]] = {}
         for sub, name, p in _registrations(module):
             if id(p) not in in_unit:
-                if id(p) not in stand_ins:
-                    shape = self.shapes.get(id(p), p.shape)
-                    stand_ins[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
-                                                    requires_grad=p.requires_grad)
-                sub._parameters[name] = stand_ins[id(p)]
+                sub._parameters[name] = self._stand_in(p)
                 swapped.append((sub, name, p))
             elif id(self.first_owner[id(p)]) not in inside:
                 kept.setdefault(id(p), (p, p.data.clone()))
@@ -282,6 +324,14 @@ class WeightFiller:
                     name, view = loaded[key]
                     with torch.no_grad():
                         view.copy_(self._lookup(name, view.shape))
+
+    def _stand_in(self, p: nn.Parameter) -> nn.Parameter:
+        """A meta parameter of p's shape, made once (a spanning module is called in every unit)."""
+        if id(p) not in self._stand_ins:
+            shape = self.shapes.get(id(p), p.shape)
+            self._stand_ins[id(p)] = nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                                  requires_grad=p.requires_grad)
+        return self._stand_ins[id(p)]
 
     def _name(self, module: nn.Module) -> str:
         return next((n for n, m in self.model.named_modules() if m is module), "") or "<root>"
