@@ -186,6 +186,7 @@ class WeightFiller:
         self.initialized: set[int] = set()  # id of every module an init was called on
         self.drew = False  # whether the last fill ran an init (its values may differ by rank)
         self._stand_ins: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (_call)
+        self._inside: dict[int, set[int]] = {}  # id(module) -> id of every module of its subtree (_call)
         # Buffers get their values now, before any init runs: an init that writes a buffer (a
         # BatchNorm's reset_running_stats) writes over the constructor's value, as in eager construction.
         self.buffers = MetaBuffers(model, weights, source, self.shapes,
@@ -242,8 +243,8 @@ class WeightFiller:
             p.data = view
             if id(p) in pending:
                 view.fill_(math.nan)
-        modules = [m for m in self.order if self.owned[id(m)] & in_unit
-                   and (self.weights is None or self.owned[id(m)] & pending or self.waiting[id(m)])]
+        modules = [m for m in self.order if not self.owned[id(m)].isdisjoint(in_unit)
+                   and (self.weights is None or self.waiting[id(m)] or not self.owned[id(m)].isdisjoint(pending))]
         self.drew = bool(pending)  # what an init draws may differ by rank
         if modules:
             loaded = {id(p): (name, view) for (name, p), view in zip(named, views) if id(p) not in pending}
@@ -292,7 +293,9 @@ class WeightFiller:
         """One init of one module, with its subtree's parameters of other units as meta stand-ins,
         borrowed ones (tied, first registered outside it) kept as they are, and loaded ones
         marked as loaded, and read again should the init write them anyway."""
-        inside = set(map(id, module.modules()))
+        if id(module) not in self._inside:
+            self._inside[id(module)] = set(map(id, module.modules()))
+        inside = self._inside[id(module)]
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         kept: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         marked: dict[int, tuple[nn.Parameter, int]] = {}
