@@ -370,3 +370,22 @@ def test_an_adapter_added_to_a_meta_model_is_refused_unless_init_fn_initializes_
     assert b and all(torch.equal(state[k], torch.zeros_like(state[k])) for k in b)
     assert all(state[k].std() > 0 for k in state if "lora_A" in k)
     assert torch.equal(state["base_model.model.model.norm.weight"], torch.ones(32))  # the rest: the model's init
+
+
+@pytest.mark.parametrize("name", ["gemma3", "swinv2", "falcon_h1"])
+def test_weights_given_a_folder_compute_the_buffers_it_does_not_hold(name: str, tmp_path: Any) -> None:
+    """initialize(meta_model, weights=folder) without from_pretrained: the non-persistent buffers
+    (not in the folder) come from the model's _init_weights; they were "cannot be rebuilt"."""
+    eager = _eager(name)
+    folder = os.path.join(str(tmp_path), name)
+    with zoo.quiet():
+        eager.save_pretrained(folder)
+    model = _on_meta(name)
+    engine = zero_offload.initialize(model, CFG, weights=folder)
+    try:
+        with engine.gathered():
+            got = _values(model)
+    finally:
+        engine.close()
+    want = _values(eager)
+    assert not [k for k in want if not torch.equal(got[k], want[k])]
