@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from _stage3_model import batch, make_model, max_rel_err, reference, train_runtime
+from _stage3_model import Model3, batch, make_model, max_rel_err, reference, train_runtime
 from zero_offload.config import Config, ConfigError
 from zero_offload.engine.model.materialize import save_safetensors
 from zero_offload.engine.stage3.runtime import Stage3Runtime
@@ -467,6 +467,9 @@ def test_init_function_runs_after_each_modules_own_initialization() -> None:
     def init(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, 0.0, 0.02)
+        elif isinstance(module, Model3):  # its own parameters have no reset_parameters: unset, initialize refuses
+            for p in module.parameters(recurse=False):
+                nn.init.normal_(p, 0.0, 0.02)
     model = _meta_model()
     rt = Stage3Runtime(model, config(), CPU, init_fn=init)
     sd = rt.consolidated_state_dict()

@@ -9,6 +9,13 @@ conversion (`get_model_conversion_mapping`, its `rename_source_key` and its conv
 one target at a time: the filler asks for a unit's tensors, and each is produced from the few
 stored tensors it needs (all experts of one layer), never the whole model.
 
+A tensor the folder does not hold (Marian's sinusoidal positions, never saved; a key left out)
+and every non-persistent buffer (Gemma 3's embed_scale, RoPE's inv_freq) are initialized by the
+model's own `_init_weights`, unit by unit, as transformers' loader initializes them: the source
+says so (`init_missing`, weights_files.WeightSource) and materialize.py does it. The missing keys
+are named in a warning where transformers reports them (not those its
+`_keys_to_ignore_on_load_missing` lists).
+
 At stages 0-2 the engine holds the whole model on its device anyway: transformers' own
 from_pretrained loads it, and the engine takes it as it would any built model.
 """
@@ -49,6 +56,8 @@ class _Job:
 class ConvertedWeights:
     """A WeightSource (zero_offload.engine.model.weights_files) over a Hugging Face folder, in the
     module's names and layout through transformers' conversion of `model` (see the module docstring)."""
+
+    init_missing = True  # what the folder lacks is initialized by the model's _init_weights, as transformers does
 
     def __init__(self, model: nn.Module, folder: str, key_mapping: Mapping[str, str] | None = None) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -100,6 +109,16 @@ class ConvertedWeights:
             if pattern is not None or not job.sources:  # a plain rename takes the first stored name only
                 job.sources.append((key if pattern is None else pattern, key))
         return jobs, unused
+
+    def missing(self) -> list[str]:
+        """The model's parameters and persistent buffers the folder does not hold, less those
+        transformers does not report (its `_keys_to_ignore_on_load_missing` patterns)."""
+        import re
+
+        held = self.names()
+        ignored = [re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_missing", None) or ()]
+        return [k for k in self.model.state_dict(keep_vars=True) if k not in held
+                and not any(p.search(k) for p in ignored)]
 
     def names(self) -> Collection[str]:
         return dict.fromkeys([*self._by_target, *self._alias]).keys()  # in stored order, for error messages
@@ -198,6 +217,10 @@ def from_pretrained(folder: str | os.PathLike, zero_offload_config: Config | Map
     if source.unused:  # transformers' loader reports them too ("unexpected keys")
         warnings.warn(f"from_pretrained: {len(source.unused)} tensors of {folder} have no place in "
                       f"{type(model).__name__} and are not read (the first: '{source.unused[0]}')", stacklevel=2)
+    missing = source.missing()
+    if missing:  # transformers' loader reports them too ("missing keys": newly initialized)
+        warnings.warn(f"from_pretrained: {len(missing)} tensors of {type(model).__name__} are not in {folder} and are "
+                      f"initialized by the model's own _init_weights (the first: '{missing[0]}')", stacklevel=2)
     # As transformers' loader leaves them: the conversions this folder used (a later save_pretrained
     # writes the layout it was loaded from), and the model in eval mode (model.train() to train with dropout).
     model._weight_conversions = [t for t in source.transforms if t.was_used()]

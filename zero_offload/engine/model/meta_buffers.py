@@ -11,7 +11,11 @@ kept out of weight files (RoPE's `inv_freq` is non-persistent). Each buffer gets
   attributes, or it is not used. Rebuilding allocates the module's own parameters once, so it is
   done only for modules of at most REBUILD_MAX_NUMEL elements (small ones: the rotary embedding
   owns no parameter at all); the RNG is left as it was;
-- else a placeholder, which the init (a module's reset_parameters, then init_fn) must write.
+- else a placeholder, which the init (a module's reset_parameters, the model's `_init_weights`,
+  then init_fn) must write. A module under a transformers-style model (one with `_init_weights`:
+  materialize.model_inits) is never rebuilt: transformers computes such buffers in `_init_weights`
+  (Gemma 3's embed_scale, Swin v2's relative_coords_table, Falcon-H1's mup_vector, whose
+  constructors take arguments the modules do not keep), and its own loader does the same.
 Inits run after this, so what they write wins, as after eager construction. At `finish` a
 placeholder nothing wrote is a one-line error naming the buffer, its module and the fix: never
 zeros, never meta. Every buffer then moves to the compute device (floating ones in the compute
@@ -34,9 +38,11 @@ class MetaBuffers:
     """Gives every buffer of `model` its value at construction (see the module docstring)."""
 
     def __init__(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, source: str,
-                 shapes: Mapping[int, torch.Size]) -> None:
-        """`shapes`: id(parameter) -> shape, for parameters already replaced by empty placeholders."""
+                 shapes: Mapping[int, torch.Size], governed: Mapping[int, str] | None = None) -> None:
+        """`shapes`: id(parameter) -> shape, for parameters already replaced by empty placeholders;
+        `governed`: id(module) -> the class name of the model whose `_init_weights` initializes it."""
         self.model, self.weights, self.source, self.shapes = model, weights, source, shapes
+        self.governed = dict(governed or {})
         self._placeholders: list[tuple[str, nn.Module, str, torch.Tensor, int, str]] = []
         self._rebuilt: dict[int, tuple[nn.Module | None, str]] = {}  # id(module) -> rebuild(module)
         pending: dict[int, list[tuple[str, nn.Module, str]]] = {}  # id(meta buffer) -> its registrations
@@ -74,6 +80,9 @@ class MetaBuffers:
         first of its modules that can be rebuilt, else one placeholder with the first's reason."""
         reasons = []
         for _, module, bname in registrations:
+            if id(module) in self.governed:
+                reasons.append(f"{self.governed[id(module)]}._init_weights does not set it")
+                continue
             if id(module) not in self._rebuilt:
                 self._rebuilt[id(module)] = rebuild(module, self.shapes, self._enclosing.get(id(module), ()))
             built, why = self._rebuilt[id(module)]
@@ -88,6 +97,10 @@ class MetaBuffers:
         for full, module, bname in registrations:
             module._buffers[bname] = placeholder
             self._placeholders.append((full, module, bname, placeholder, placeholder._version, reasons[0]))
+
+    def placeholder_modules(self) -> set[int]:
+        """id of every module holding a buffer that an init must write."""
+        return {id(module) for _, module, *_ in self._placeholders}
 
     def finish(self, device: torch.device, initialized: set[int], dtype: torch.dtype) -> None:
         """Refuse a placeholder no init wrote (neither replaced nor written in place), then move
@@ -114,9 +127,9 @@ class MetaBuffers:
         else:
             fix = ""  # no init reaches it (no init runs, or its parameters span several units)
         where = "it is not in the weights, and " if self.weights is not None else ""
+        how = why if id(module) in self.governed else f"its module cannot be rebuilt on the CPU to compute it ({why})"
         return (f"initialize: buffer '{full}' ({type(module).__name__}) of the meta-device model has no value: "
-                f"{where}its module cannot be rebuilt on the CPU to compute it ({why}); {fix}build that module "
-                "off the meta device")
+                f"{where}{how}; {fix}build that module off the meta device")
 
 
 def _enclosing(name: str, by_name: Mapping[str, nn.Module]) -> tuple[nn.Module, ...]:

@@ -44,7 +44,9 @@ class WeightSource(Protocol):
     """Weights produced on request in the module's names and layout (see the module docstring).
     `where`: what error messages name (the folder read); `names()`: every parameter and buffer
     name it can produce; `read(name)`: that tensor (any dtype; the filler copies it at once), for
-    the names of one unit at a time, in module order, so a source holds no more than one unit."""
+    the names of one unit at a time, in module order, so a source holds no more than one unit.
+    A source may also set `init_missing = True`: a tensor it does not name is then initialized
+    by the model's own initialization (as transformers' loader does) instead of refused."""
 
     where: str
 
@@ -59,6 +61,7 @@ class SourceWeights(Mapping[str, torch.Tensor]):
     def __init__(self, source: WeightSource) -> None:
         self.source = source
         self._names = source.names()
+        self.init_missing = bool(getattr(source, "init_missing", False))  # see WeightSource
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:

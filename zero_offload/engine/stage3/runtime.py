@@ -316,7 +316,7 @@ class Stage3Runtime(RuntimeBase):
                     [v for g, full in zip(u.groups, fulls) for v in g.layout.views(full)],
                     [p.detach() for g in u.groups for p in g.params])
         for g, full in zip(u.groups, fulls):
-            if filler.weights is None and self.world > 1:  # a random init may differ by rank: rank 0's wins
+            if filler.drew and self.world > 1:  # a random init may differ by rank: rank 0's wins
                 full = comm.broadcast_(full.to(self.device), 0).cpu()  # on the device: NCCL needs it there
             lo, hi = g.layout.shard_range(self.rank)
             shard = full if self.world == 1 else full[lo:hi].clone()
