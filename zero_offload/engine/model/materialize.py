@@ -184,7 +184,7 @@ class WeightFiller:
             mine = {id(p) for p in module._parameters.values() if p is not None and self.first_owner[id(p)] is module}
             self.owned[id(module)] = mine.union(*(self.owned[id(c)] for c in module.children()))
         self.initialized: set[int] = set()  # id of every module an init was called on
-        self.drew = False  # whether the last fill ran an init (its values may differ by rank)
+        self.drew = False  # whether the last fill's values may differ by rank (an init ran, or a live build)
         self._stand_ins: dict[int, nn.Parameter] = {}  # id(parameter) -> its meta stand-in (_call)
         self._inside: dict[int, set[int]] = {}  # id(module) -> id of every module of its subtree (_call)
         # Buffers get their values now, before any init runs: an init that writes a buffer (a
@@ -221,6 +221,7 @@ class WeightFiller:
         elif not self.meta:
             for view, value in zip(views, live):
                 view.copy_(value)
+            self.drew = True  # each rank's own build (its own seed): rank 0's values win, as DDP's do
         else:
             self._run_init(named, views, {id(p) for _, p in named})
 
