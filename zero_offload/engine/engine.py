@@ -100,6 +100,20 @@ def _device_for(model: torch.nn.Module) -> torch.device:
     return device
 
 
+# module -> the engine training it: a Trainer given an engine's module names the engine instead.
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Engine]]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(module: object) -> "Engine | None":
+    """The open engine that trains `module`, if one does."""
+    try:
+        ref = _ENGINES.get(module)  # type: ignore[call-overload]
+    except TypeError:  # not weak-referenceable: no module of ours
+        return None
+    engine = ref() if ref is not None else None
+    return engine if engine is not None and not engine.closed else None
+
+
 class Engine:
     """Trains `model` under `config`; see the package docs for the call sequence."""
 
@@ -108,6 +122,7 @@ class Engine:
         self.config = config
         # Resolved before anything else: stage 3 replaces the parameter objects the groups name.
         groups = None if param_groups is None else resolve_groups(model, param_groups, config.optimizer)
+        self._group_of = {} if groups is None else dict(groups[1])  # trainable name -> its param group
         self.device = _device_for(model)  # before a NCCL group is made: it binds to the current device
         comm.join_launcher_group()
         self.dtype = DTYPES[config.precision.dtype]
@@ -136,6 +151,7 @@ class Engine:
         # An engine dropped without close() still lets its threads, files and swap-folder locks go
         # (the runtime's threads hold the runtime, never the engine); at exit too.
         self._finalizer = weakref.finalize(self, self.runtime.close)
+        _ENGINES[self.module] = weakref.ref(self)
         try:
             if groups is not None:
                 self._set_groups(*groups)
@@ -175,6 +191,10 @@ class Engine:
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 comm.broadcast_(t.data, 0)
+
+    def weight_decay_of(self, name: str) -> float:
+        """The weight decay the step applies to trainable parameter `name` (its group's)."""
+        return self.optimizer.param_groups[self._group_of.get(name, 0)]["weight_decay"]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

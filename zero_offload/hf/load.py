@@ -30,7 +30,7 @@ from typing import Any, Collection, Mapping
 import torch
 from torch import nn
 
-from zero_offload.config import Config, ConfigError
+from zero_offload.config import Config, ConfigError, user_stacklevel
 from zero_offload.engine.engine import Engine, initialize
 from zero_offload.engine.model.weights_files import one_line, open_weights
 
@@ -198,7 +198,15 @@ def from_pretrained(folder: str | os.PathLike, zero_offload_config: Config | Map
     dtype (default the config's), what it is saved back in; `key_mapping`: extra renames, as
     transformers' from_pretrained takes them; `config_kwargs` override config.json's values.
     The model is `engine.module`. At stage 3 nothing but one unit is ever whole in memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    zo = _zo_config(zero_offload_config)
+    model, source = load_model(folder, zo.stage, model_class=model_class, dtype=_dtype(dtype, torch_dtype),
+                               key_mapping=key_mapping, **config_kwargs)
+    return initialize(model, zo, weights=source, param_groups=param_groups)
+
+
+def folder_config(folder: str | os.PathLike, **config_kwargs: Any) -> Any:
+    """The transformers config of a model folder (one line where the folder is none, or quantized)."""
+    from transformers import AutoConfig
 
     folder = os.fspath(folder)
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -207,22 +215,33 @@ def from_pretrained(folder: str | os.PathLike, zero_offload_config: Config | Map
     if getattr(config, "quantization_config", None) is not None:
         raise NotImplementedError(f"from_pretrained: {folder} is a quantized checkpoint (config.json's "
                                   "quantization_config); zero_offload loads unquantized weights only")
+    return config
+
+
+def load_model(folder: str | os.PathLike, stage: int, *, model_class: Any = None, dtype: torch.dtype | str | None = None,
+               key_mapping: Mapping[str, str] | None = None,
+               **config_kwargs: Any) -> tuple[nn.Module, ConvertedWeights | None]:
+    """The model of `folder` for an engine at `stage`, and where its weights come from: at
+    stage 3 built on the meta device with the folder as its WeightSource (the engine streams it
+    in unit by unit); below, loaded by transformers' own from_pretrained (no source)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = os.fspath(folder)
+    config = folder_config(folder, **config_kwargs)
     model_class = model_class or AutoModelForCausalLM
-    zo, dtype = _zo_config(zero_offload_config), _dtype(dtype, torch_dtype)
-    if zo.stage != 3:
-        model = model_class.from_pretrained(folder, config=config, dtype=dtype or "auto", key_mapping=key_mapping)
-        return initialize(model, zo, param_groups=param_groups)
+    if stage != 3:
+        return model_class.from_pretrained(folder, config=config, dtype=dtype or "auto", key_mapping=key_mapping), None
     model = build_on_meta(model_class, config, dtype)
     source = ConvertedWeights(model, folder, key_mapping)
     if source.unused:  # transformers' loader reports them too ("unexpected keys")
         warnings.warn(f"from_pretrained: {len(source.unused)} tensors of {folder} have no place in "
-                      f"{type(model).__name__} and are not read (the first: '{source.unused[0]}')", stacklevel=2)
+                      f"{type(model).__name__} and are not read (the first: '{source.unused[0]}')", stacklevel=user_stacklevel())
     missing = source.missing()
     if missing:  # transformers' loader reports them too ("missing keys": newly initialized)
         warnings.warn(f"from_pretrained: {len(missing)} tensors of {type(model).__name__} are not in {folder} and are "
-                      f"initialized by the model's own _init_weights (the first: '{missing[0]}')", stacklevel=2)
+                      f"initialized by the model's own _init_weights (the first: '{missing[0]}')", stacklevel=user_stacklevel())
     # As transformers' loader leaves them: the conversions this folder used (a later save_pretrained
     # writes the layout it was loaded from), and the model in eval mode (model.train() to train with dropout).
     model._weight_conversions = [t for t in source.transforms if t.was_used()]
     model.eval()
-    return initialize(model, zo, weights=source, param_groups=param_groups)
+    return model, source

@@ -29,9 +29,10 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 import zero_offload
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
-from zero_offload.engine.engine import Engine
+from zero_offload.engine.engine import Engine, engine_of
 from zero_offload.hf.accelerator import EngineModel, TrainerOptimizer, ZeroOffloadAccelerator
 from zero_offload.hf.config import check_optimizer, resolve
+from zero_offload.hf.load import ConvertedWeights, build_on_meta, folder_config, load_model
 from zero_offload.hf.save import save_pretrained
 
 ENGINE_DIR = "zero_offload"  # the engine's checkpoint inside Trainer's checkpoint-N folder
@@ -45,8 +46,8 @@ def _refuse_arguments(bound: dict[str, Any]) -> None:
         raise ConfigError("TrainingArguments(deepspeed=...) hands training to the deepspeed package: pass the "
                           "DeepSpeed JSON as ZeroOffloadTrainer(zero_offload_config=...) instead")
     if bound.get("model") is None:
-        raise ConfigError("ZeroOffloadTrainer needs model=: the engine is built from it in __init__ "
-                          "(model_init, which rebuilds the model in train(), is not supported)")
+        raise ConfigError("ZeroOffloadTrainer needs model=: a model, a Hugging Face folder or an engine; the engine "
+                          "is built from it in __init__ (model_init, which rebuilds the model in train(), is not supported)")
     if bound.get("model_init") is not None:
         raise ConfigError("ZeroOffloadTrainer(model_init=...) is not supported: pass model=")
     if any(o is not None for o in bound.get("optimizers", (None, None))):
@@ -85,6 +86,58 @@ def _world_mismatch(trainer: int, engine: int) -> str:
             f"{trainer}, so Trainer would neither shard the data nor save from one rank: {hint}")
 
 
+def _model_to_build(given: Any, model_class: Any) -> tuple[torch.nn.Module, str | None]:
+    """What Trainer is given as its model, and the folder to load, for each form of `model=`: a
+    built model (no folder), a folder (its model built on the meta device: config only), or an
+    Engine (its module). A module some live engine already trains is refused in one line."""
+    if isinstance(given, Engine):
+        if given.closed:
+            raise ConfigError("ZeroOffloadTrainer(model=engine): the engine is closed")
+        return given.module, None
+    if isinstance(given, (str, os.PathLike)):
+        folder = os.fspath(given)
+        return build_on_meta(model_class or _auto_causal_lm(), folder_config(folder), None), folder
+    owner = engine_of(given)
+    if owner is not None:
+        raise ConfigError("ZeroOffloadTrainer(model=...): this model is already trained by an engine (engine.module); "
+                          "pass the engine itself, ZeroOffloadTrainer(model=engine, ...), or the model's folder")
+    return given, None
+
+
+def _auto_causal_lm() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def _source_for(model: torch.nn.Module, folder: str) -> Any:
+    """The folder's weights for the meta model Trainer holds, as from_pretrained reads them."""
+    source = ConvertedWeights(model, folder)
+    model._weight_conversions = [t for t in source.transforms if t.was_used()]
+    return source
+
+
+def _adopted(engine: Engine, wanted: Config, groups: list[dict]) -> Engine:
+    """An engine built before the Trainer (zero_offload.hf.from_pretrained): what it cannot change
+    now (accumulation, clipping, precision, the optimizer, its weight-decay groups) must be what
+    TrainingArguments asks, else one line says what differs; its lr, betas and eps are set from them."""
+    have = engine.config
+    fields = {"gradient_accumulation_steps": lambda c: c.gradient_accumulation_steps,
+              "clip_grad_norm": lambda c: c.clip_grad_norm, "precision.dtype": lambda c: c.precision.dtype,
+              "optimizer.name": lambda c: c.optimizer.name, "overlap_step": lambda c: c.overlap_step}
+    differ = [f"{k}={get(have)!r} (TrainingArguments want {get(wanted)!r})" for k, get in fields.items()
+              if get(have) != get(wanted)]
+    decay = {name: g["weight_decay"] for g in groups for name in g["params"]}
+    if any(engine.weight_decay_of(name) != wd for name, wd in decay.items()):
+        differ.append("weight decay (Trainer's: none on biases and norms)")
+    if differ:
+        raise ConfigError(f"ZeroOffloadTrainer(model=engine): the engine was built with {'; '.join(differ)}; build it "
+                          "with those values, or pass the model's folder and let the Trainer build the engine")
+    for g in engine.optimizer.param_groups:  # before Trainer's scheduler takes lr as its base
+        g["lr"], g["betas"], g["eps"] = wanted.optimizer.lr, wanted.optimizer.betas, wanted.optimizer.eps
+    return engine
+
+
 def _same_device(engine: torch.device, batches: torch.device) -> bool:
     """The same kind of device and, for accelerators, the same one (the CPU is one whatever its index)."""
     return engine.type == batches.type and (engine.type == "cpu" or engine.index == batches.index)
@@ -93,19 +146,26 @@ def _same_device(engine: torch.device, batches: torch.device) -> bool:
 class ZeroOffloadTrainer(Trainer):
     """A Trainer whose model is trained by a zero_offload engine; `zero_offload_config` is a
     zero_offload Config, a dict (ours or DeepSpeed's) or the path of a JSON file of either.
+    `model` is a built model, a Hugging Face folder (at stage 3 built on the meta device and
+    streamed into the tiers unit by unit, so it may exceed host RAM; `model_class` as
+    from_pretrained takes it), or an Engine that zero_offload.hf.from_pretrained built.
     Other arguments are Trainer's. After __init__, `trainer.engine` is the Engine."""
 
-    def __init__(self, *args: Any, zero_offload_config: Config | dict | str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_offload_config: Config | dict | str | None = None, model_class: Any = None,
+                 **kwargs: Any) -> None:
         bound = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs).arguments
         _refuse_arguments(bound)
-        model = bound["model"]
+        given = bound.pop("model")
+        bound.pop("self")
+        model, folder = _model_to_build(given, model_class)
         self._flop_params = (model.num_parameters(exclude_embeddings=True)  # before stage 3 empties them
                              if hasattr(model, "num_parameters") else 0)
-        super().__init__(*args, **kwargs)
+        super().__init__(model=model, **bound)
         _refuse_training_arguments(self.args)  # the default TrainingArguments too
-        self.zero_offload_config = resolve(zero_offload_config, self.args, self.model)
-        self.engine: Engine = zero_offload.initialize(self.model, self.zero_offload_config,
-                                                      param_groups=self._param_groups())
+        self.zero_offload_config = resolve(given.config if isinstance(given, Engine) else zero_offload_config,
+                                           self.args, self.model)
+        self.engine: Engine = (_adopted(given, self.zero_offload_config, self._param_groups())
+                               if isinstance(given, Engine) else self._build_engine(folder, model_class))
         if not _same_device(self.engine.device, torch.device(self.args.device)):
             self.engine.close()
             raise ConfigError(f"the engine computes on {self.engine.device} but TrainingArguments puts the batches "
@@ -116,6 +176,19 @@ class ZeroOffloadTrainer(Trainer):
         self.accelerator.attach(self.engine)
         self.optimizer = TrainerOptimizer(self.engine)
         self.callback_handler.optimizer = self.optimizer
+
+    def _build_engine(self, folder: str | None, model_class: Any) -> Engine:
+        """The engine of a built model, or of the folder's: at stage 3 the meta model Trainer holds,
+        its weights streamed from the folder; below, the model transformers loads (Trainer's
+        model becomes it)."""
+        source = None
+        if folder is not None and self.zero_offload_config.stage == 3:
+            source = _source_for(self.model, folder)
+        elif folder is not None:
+            self.model = self.model_wrapped = load_model(folder, self.zero_offload_config.stage,
+                                                         model_class=model_class)[0]
+        return zero_offload.initialize(self.model, self.zero_offload_config, weights=source,
+                                       param_groups=self._param_groups())
 
     def _param_groups(self) -> list[dict]:
         """Trainer's grouping (create_optimizer): weight decay except on biases and norms."""
