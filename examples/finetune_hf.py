@@ -5,11 +5,14 @@
 
 The model folder is what `save_pretrained` writes (config.json, weights, tokenizer). Without
 --model a tiny random Llama and a character-level tokenizer are built offline and saved to a
-temporary folder first, then loaded from it like any other. Training is transformers' Trainer
-(its progress bar and logging) with zero_offload stage 3: the compute copy and the optimizer
-state live in files under --nvme-dir, one decoder layer gathered at a time. At the end the
-model is saved in Hugging Face format and reloaded with from_pretrained for a short generation.
+temporary folder first, then loaded from it like any other. The Trainer is given the folder
+itself: at zero_offload stage 3 the model is built on the meta device and its weights streamed
+into files under --nvme-dir one unit at a time, so it may be larger than host RAM. Training is
+transformers' Trainer (its progress bar and logging). At the end the model is saved in Hugging
+Face format under --output (kept) and reloaded with from_pretrained for a short generation.
 --ds-config takes your DeepSpeed JSON instead ("auto" values are filled from the arguments).
+Run it against the installed package (`pip install -e .[hf]`, or `make setup`), which carries
+the native CPU Adam and I/O library.
 """
 from __future__ import annotations
 
@@ -24,15 +27,17 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           PreTrainedTokenizerFast, TrainingArguments)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # a fresh clone runs without installing the package
-from zero_offload.hf import ZeroOffloadTrainer  # noqa: E402
+try:
+    from zero_offload.hf import ZeroOffloadTrainer
+except ImportError:  # the source tree on sys.path would run without the native library
+    sys.exit("zero_offload is not installed: run `pip install -e .[hf]` (or `make setup`) in the repository first")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a local model folder (default: make a tiny random Llama)")
     ap.add_argument("--text", default=os.path.join(ROOT, "README.md"), help="the text file to train on")
-    ap.add_argument("--output", default=None, help="where checkpoints and the final model go (default: a temp dir)")
+    ap.add_argument("--output", default="finetune_hf_output", help="where checkpoints and the final model go (kept)")
     ap.add_argument("--nvme-dir", default=None, help="directory on the drive for the nvme tier (default: a temp dir)")
     ap.add_argument("--ds-config", default=None, help="a DeepSpeed JSON to use instead of the built-in stage 3 config")
     ap.add_argument("--seq", type=int, default=64)
@@ -87,28 +92,25 @@ class Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
-def zero_offload_config(model: Any, nvme_dir: str, ds_config: str | None) -> Any:
-    """The user's DeepSpeed JSON, else stage 3 with parameters and optimizer state on nvme, one
-    unit per decoder layer (the model's own `_no_split_modules`)."""
+def zero_offload_config(nvme_dir: str, ds_config: str | None) -> Any:
+    """The user's DeepSpeed JSON, else stage 3 with parameters and optimizer state on nvme and
+    zero_offload's own unit choice (each decoder layer a unit)."""
     if ds_config is not None:
         return ds_config
-    units = list(getattr(model, "_no_split_modules", None) or [])
-    return {"stage": 3, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"}, "nvme_paths": [nvme_dir],
-            "stage3": {"unit_modules": units}}
+    return {"stage": 3, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"}, "nvme_paths": [nvme_dir]}
 
 
 def main(argv: list[str] | None = None) -> str:
     """Train, save, reload and generate; returns the generated text."""
     a = parse(argv)
-    scratch = tempfile.TemporaryDirectory(prefix="finetune_hf_")
-    output = a.output or os.path.join(scratch.name, "output")
+    scratch = tempfile.TemporaryDirectory(prefix="finetune_hf_")  # the tiny model and the nvme files
+    output = a.output
     nvme_dir = a.nvme_dir or os.path.join(scratch.name, "nvme")
     os.makedirs(nvme_dir, exist_ok=True)
     text = open(a.text, encoding="utf-8").read()
     folder = a.model or make_tiny_model(text, os.path.join(scratch.name, "tiny-llama"))
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     data = Blocks(tokenizer(text)["input_ids"], a.seq)
     args = TrainingArguments(output_dir=output, per_device_train_batch_size=a.batch,
                              gradient_accumulation_steps=a.accumulation, max_steps=a.steps, learning_rate=a.lr,
@@ -117,17 +119,17 @@ def main(argv: list[str] | None = None) -> str:
                              bf16=a.bf16, report_to=[], dataloader_num_workers=0, optim="adamw_torch", seed=0,
                              dataloader_pin_memory=torch.cuda.is_available(),
                              use_cpu=not torch.cuda.is_available())  # else torchrun's ranks are not one run
-    trainer = ZeroOffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                                 zero_offload_config=zero_offload_config(model, nvme_dir, a.ds_config))
+    trainer = ZeroOffloadTrainer(model=folder, args=args, train_dataset=data, processing_class=tokenizer,
+                                 zero_offload_config=zero_offload_config(nvme_dir, a.ds_config))
     trainer.train()
     final = os.path.join(output, "final")
     trainer.save_model(final)  # config.json + model.safetensors + the tokenizer
     trainer.engine.close()  # its nvme files go
 
     generated = generate(final, a.prompt, a.new_tokens)
+    scratch.cleanup()  # the tiny model and the nvme files; the output folder is kept
     if trainer.is_world_process_zero():
-        print(f"saved to {final}\n--- generated from the saved model ---\n{generated}")
-    scratch.cleanup()
+        print(f"saved to {os.path.abspath(final)}\n--- generated from the saved model ---\n{generated}")
     return generated
 
 

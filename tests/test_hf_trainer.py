@@ -391,16 +391,23 @@ def test_two_ranks_train_as_a_plain_ddp_trainer_does(tmp_path: Any) -> None:
     run_ranks(_two_ranks, 2, timeout=420, out=str(tmp_path))
 
 
-def test_the_example_fine_tunes_saves_and_generates(tmp_path: Any) -> None:
+def test_the_example_fine_tunes_saves_and_generates(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/finetune_hf.py with tiny settings: its own tiny Llama and character tokenizer,
-    stage 3 on nvme, save_model, from_pretrained and generate."""
+    the folder given to the Trainer at stage 3 on nvme, save_model, from_pretrained and generate.
+    It put the source tree on sys.path (an installed package then ran without its native
+    library) and deleted the output it had just printed; the output is kept now."""
     import importlib.util
+    import sys
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "finetune_hf.py")
     spec = importlib.util.spec_from_file_location("finetune_hf", path)
     example = importlib.util.module_from_spec(spec)
+    before = list(sys.path)
     spec.loader.exec_module(example)
+    assert sys.path == before
+    monkeypatch.chdir(tmp_path)  # the default --output is relative
     text = example.main(["--steps", "2", "--seq", "32", "--batch", "2", "--new-tokens", "4", "--prompt", "ab",
-                         "--output", str(tmp_path / "out"), "--nvme-dir", str(tmp_path / "nvme")])
+                         "--nvme-dir", str(tmp_path / "nvme")])
     assert text.startswith("ab") and len(text) >= 3
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "out" / "final"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(
+        os.listdir(tmp_path / "finetune_hf_output" / "final"))

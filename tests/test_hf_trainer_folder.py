@@ -120,3 +120,34 @@ def test_an_engine_built_otherwise_and_an_engines_module_are_refused_in_one_line
                                           r"engine itself"):
         ZeroOffloadTrainer(model=engine.module, args=args, train_dataset=TRAIN)
     engine.close()
+
+
+def test_from_pretrained_takes_the_trainers_deepspeed_json_with_training_args(tmp_path: Any) -> None:
+    """The JSON the Trainer accepts ("auto" values) was refused by from_pretrained; with the
+    TrainingArguments it resolves as the Trainer resolves it, and the engine it builds is then
+    taken by the Trainer as it is."""
+    import json
+
+    folder = _folder(tmp_path)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = {"device": "nvme", "nvme_path": str(nvme)}
+    ds = {"bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "train_micro_batch_size_per_gpu": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                    "weight_decay": "auto"}},
+          "zero_optimization": {"stage": 3, "offload_optimizer": offload,
+                                "offload_param": {**offload, "max_in_cpu": 0}, "stage3_prefetch_bucket_size": "auto"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match=r"'auto' is the Hugging Face placeholder.*training_args=args"):
+        from_pretrained(folder, str(path))
+    args = training_args(str(tmp_path / "out"), max_steps=2, weight_decay=0.0)
+    engine = from_pretrained(folder, str(path), training_args=args)
+    c = engine.config
+    assert (c.stage, c.gradient_accumulation_steps, c.clip_grad_norm, c.optimizer.lr) == (3, 2, 1.0, 1e-2)
+    assert c.stage3.unit_bytes == int(0.9 * 32 * 32) * 4  # the hidden-size "auto", from the folder's config
+    trainer = ZeroOffloadTrainer(model=engine, args=args, train_dataset=TRAIN)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    engine.close()

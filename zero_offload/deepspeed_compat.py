@@ -307,7 +307,8 @@ def _bad(key: str, value: Any, expected: str) -> ConfigError:
     """The one-line error for a bad value; 'auto' gets its own hint, a wrong kind names its type."""
     if isinstance(value, str) and value == "auto":
         return ConfigError(f"DeepSpeed key '{key}' = 'auto' is the Hugging Face placeholder: resolve it first "
-                           "(zero_offload.hf.ZeroOffloadTrainer fills it from TrainingArguments; or write the value)")
+                           "(zero_offload.hf.ZeroOffloadTrainer, or hf.from_pretrained(..., training_args=args), fills it from "
+                           "TrainingArguments; or write the value)")
     got = "" if isinstance(value, (int, float)) and not isinstance(value, bool) else f", got {type(value).__name__}"
     return ConfigError(f"DeepSpeed key '{key}' = {shown(value)} is invalid: expected {expected}{got}")
 

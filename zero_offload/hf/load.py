@@ -22,6 +22,7 @@ from_pretrained loads it, and the engine takes it as it would any built model.
 from __future__ import annotations
 
 import os
+import types
 import warnings
 from copy import deepcopy
 from functools import partial
@@ -191,14 +192,22 @@ def build_on_meta(model_class: Any, config: Any, dtype: torch.dtype | str | None
 def from_pretrained(folder: str | os.PathLike, zero_offload_config: Config | Mapping[str, Any] | str | None = None,
                     *, model_class: Any = None, dtype: torch.dtype | str | None = None,
                     torch_dtype: torch.dtype | str | None = None, key_mapping: Mapping[str, str] | None = None,
-                    param_groups: Any = None, **config_kwargs: Any) -> Engine:
+                    param_groups: Any = None, training_args: Any = None, **config_kwargs: Any) -> Engine:
     """An Engine training the model saved in `folder` (config.json and its safetensors or torch
     weights, sharded or not), under `zero_offload_config`. `model_class`: a transformers class
     or Auto class (default AutoModelForCausalLM); `dtype` (or `torch_dtype`): the model's own
     dtype (default the config's), what it is saved back in; `key_mapping`: extra renames, as
-    transformers' from_pretrained takes them; `config_kwargs` override config.json's values.
+    transformers' from_pretrained takes them; `config_kwargs` override config.json's values;
+    `training_args`: TrainingArguments whose values fill the config's "auto" entries and must
+    match its written ones, as ZeroOffloadTrainer does (so one DeepSpeed JSON serves both).
     The model is `engine.module`. At stage 3 nothing but one unit is ever whole in memory."""
-    zo = _zo_config(zero_offload_config)
+    if training_args is not None:
+        from zero_offload.hf.config import resolve
+
+        holder = types.SimpleNamespace(config=folder_config(folder, **config_kwargs))  # the hidden-size autos
+        zo = resolve(zero_offload_config, training_args, holder)
+    else:
+        zo = _zo_config(zero_offload_config)
     model, source = load_model(folder, zo.stage, model_class=model_class, dtype=_dtype(dtype, torch_dtype),
                                key_mapping=key_mapping, **config_kwargs)
     return initialize(model, zo, weights=source, param_groups=param_groups)
