@@ -99,7 +99,8 @@ def _models(T: Any, V: int) -> dict[str, Callable[[], Any]]:
                    attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
         "clip": lm(T.CLIPModel, T.CLIPConfig, projection_dim=16,
                    text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=16),
+                                    num_attention_heads=4, max_position_embeddings=16, bos_token_id=0,
+                                    pad_token_id=1, eos_token_id=2),  # 2: pooled at the argmax id (see CLIPTextTransformer)
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       image_size=16, patch_size=4)),
         "llava": lambda: T.LlavaForConditionalGeneration(T.LlavaConfig(
