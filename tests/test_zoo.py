@@ -25,7 +25,7 @@ Besides: one bf16 case, D = 2 for a
 dense model and an MoE, checkpoint and resume bit-exact (one or more per stage), and meta builds
 loaded from the model's own save_pretrained folder.
 
-The plain-torch patterns of tests/_zoo_patterns.py (42: torch.nn's attention, transformer and
+The plain-torch patterns of tests/_zoo_patterns.py (44: torch.nn's attention, transformer and
 recurrent layers, parametrizations, hooks, module reuse, custom Functions, state edited in
 forward, ...; docs/zoo.md lists them) go through every check: each stage and form (stage 3's
 scaled units 1 KiB, their per-layer size), D = 2 at stages 0, 2 and 3, resume at each stage and
