@@ -9,9 +9,17 @@ the harness itself (a config this transformers version refuses) says REFERENCE F
 comparison refuses a run where more than 1% of the model's elements had a noise-sized gradient
 ("noise elements"): equal losses with that message are the harness's limit, not a defect.
 
+With --patterns it runs the plain-torch patterns of tests/_zoo_patterns.py instead (PENDING ones
+too) through every check of tests/test_zoo.py: each stage and config form, a bit-exact resume at
+each stage and a meta build from a weights file (with --dp 2: D = 2 at each form); a row of a
+check that PENDING lists says "pending" after its verdict, and one that passes asks for its entry
+to go. --markdown ends with the grid docs/zoo.md shows.
+
     python scripts/zoo_sweep.py                      # every architecture below
     python scripts/zoo_sweep.py clip reformer --forms 3-default
     python scripts/zoo_sweep.py deepseekv3 clip --dp 2 --forms 2-default,3-scaled
+    python scripts/zoo_sweep.py --patterns --markdown  # every pattern, every check
+    python scripts/zoo_sweep.py --patterns --dp 2 --markdown
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 FORMS = ("0-default", "2-default", "3-default", "3-scaled", "3-deepspeed")
+DP_FORMS = ("0-default", "2-default", "3-scaled", "3-deepspeed")  # test_zoo's D > 1 forms
 
 
 def _models(T: Any, V: int) -> dict[str, Callable[[], Any]]:
@@ -99,7 +108,8 @@ def _models(T: Any, V: int) -> dict[str, Callable[[], Any]]:
                    attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
         "clip": lm(T.CLIPModel, T.CLIPConfig, projection_dim=16,
                    text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=16),
+                                    num_attention_heads=4, max_position_embeddings=16, bos_token_id=0,
+                                    pad_token_id=1, eos_token_id=2),  # 2: pooled at the argmax id (see CLIPTextTransformer)
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       image_size=16, patch_size=4)),
         "llava": lambda: T.LlavaForConditionalGeneration(T.LlavaConfig(
@@ -152,8 +162,11 @@ def _batches(zoo: Any, torch: Any, V: int) -> dict[str, Callable[[int, int], dic
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("names", nargs="*", help="architectures (default: all)")
-    p.add_argument("--forms", default=",".join(FORMS), help=f"stage-form pairs, comma-separated, of {FORMS}")
+    p.add_argument("names", nargs="*", help="architectures, or patterns with --patterns (default: all)")
+    p.add_argument("--forms", default=None, help=f"checks, comma-separated: stage-form pairs of {FORMS} (default; "
+                   f"with --dp, {DP_FORMS}); with --patterns, of tests/_zoo_patterns.CHECKS (default: all)")
+    p.add_argument("--patterns", action="store_true", help="the plain-torch patterns instead of the architectures")
+    p.add_argument("--markdown", action="store_true", help="end with a markdown grid of the verdicts")
     p.add_argument("--workdir", default=None, help="folder for the nvme tier (default: a temp dir)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (gloo, spawned under a timeout)")
     args = p.parse_args()
@@ -162,24 +175,33 @@ def main() -> None:
     import transformers
 
     import _zoo_models as zoo
+    import _zoo_patterns as patterns
     import test_zoo as tz
 
     torch.set_num_threads(1)
-    known = list(_models(transformers, zoo.VOCAB))
+    known = list(patterns.PATTERNS) if args.patterns else list(_models(transformers, zoo.VOCAB))
     names = args.names or known
     unknown = sorted(set(names) - set(known))
     if unknown:
-        p.error(f"unknown architectures {unknown}; choose from {sorted(known)}")
+        p.error(f"unknown {'patterns' if args.patterns else 'architectures'} {unknown}; choose from {sorted(known)}")
+    default = DP_FORMS if args.dp > 1 else tuple(c for c in patterns.CHECKS if c not in patterns.DP) \
+        if args.patterns else FORMS
+    forms = tuple(args.forms.split(",")) if args.forms else default
     if args.dp > 1:
         from _dist import run_ranks
 
-        run_ranks(_rank, args.dp, timeout=1800, names=tuple(names), forms=tuple(args.forms.split(",")))
+        run_ranks(_rank, args.dp, timeout=1800, names=tuple(names), forms=forms, patterns=args.patterns,
+                  markdown=args.markdown)
         return
-    _register(names)
+    if not args.patterns:
+        _register(names)
+    verdicts = {}
     for name in names:
-        for form in args.forms.split(","):
-            stage, kind = int(form.split("-")[0]), form.split("-")[1]
-            print(f"{name:16} {form:12} {_run(tz, name, stage, kind, args.workdir)}", flush=True)
+        for form in forms:
+            verdicts[name, form] = _verdict(name, form, _check(tz, name, form, args.workdir), args.patterns)
+            print(f"{name:28} {form:12} {verdicts[name, form]}", flush=True)
+    if args.markdown:
+        print(_grid(names, forms, verdicts))
 
 
 def _register(names: list[str] | tuple[str, ...]) -> None:
@@ -195,9 +217,10 @@ def _register(names: list[str] | tuple[str, ...]) -> None:
         zoo.CASES[name] = zoo.Case(name, zoo._seeded(models[name]), batches.get(name, zoo.tokens_lm), loss)
 
 
-def _rank(rank: int, world: int, names: tuple[str, ...], forms: tuple[str, ...]) -> None:
-    """One rank of a --dp run: test_zoo's own D > 1 case on each architecture and form; rank 0
-    prints the rows."""
+def _rank(rank: int, world: int, names: tuple[str, ...], forms: tuple[str, ...], patterns: bool = False,
+          markdown: bool = False) -> None:
+    """One rank of a --dp run: test_zoo's own D > 1 case on each architecture (or pattern) and
+    form; rank 0 prints the rows (and the grid)."""
     import torch
 
     import test_zoo as tz
@@ -205,7 +228,9 @@ def _rank(rank: int, world: int, names: tuple[str, ...], forms: tuple[str, ...])
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    _register(names)
+    if not patterns:
+        _register(names)
+    verdicts = {}
     for name in names:
         for form in forms:
             stage, kind = int(form.split("-")[0]), form.split("-")[1]
@@ -214,22 +239,67 @@ def _rank(rank: int, world: int, names: tuple[str, ...], forms: tuple[str, ...])
                 row = "ok"
             except Exception as exc:
                 row = _failure(exc)
+            verdicts[name, f"D={world} {form}"] = _verdict(name, f"D=2 {form}", row, patterns) if world == 2 else row
             if rank == 0:
-                print(f"{name:16} {form:12} D={world} {row}", flush=True)
+                print(f"{name:28} {form:12} D={world} {verdicts[name, f'D={world} {form}']}", flush=True)
+    if rank == 0 and markdown:
+        print(_grid(list(names), tuple(f"D={world} {f}" for f in forms), verdicts))
 
 
-def _run(tz: Any, name: str, stage: int, kind: str, workdir: str | None) -> str:
-    try:
-        ref = tz.reference(name, kind)
-    except Exception as exc:
-        return f"REFERENCE FAILED {type(exc).__name__}: {str(exc)[:200]}"
+def _check(tz: Any, name: str, form: str, workdir: str | None) -> str:
+    """One check of test_zoo on one case: "ok", or the failure's first lines."""
+    import pathlib
+
     with tempfile.TemporaryDirectory(dir=workdir) as d:
         try:
-            losses, state = tz.run_engine(name, tz.config_for(kind, stage, d))
+            if form.startswith("resume "):
+                tz.check_resume(name, int(form.split()[1]), pathlib.Path(d))
+                return "ok"
+            if form == "meta":
+                if tz.zoo.CASES[name].meta_build is None:
+                    return "n/a (torch cannot build it on the meta device)"
+                tz.check_pattern_meta(name, pathlib.Path(d))
+                return "ok"
+            stage, kind = int(form.split("-")[0]), form.split("-")[1]
+            try:
+                ref = tz.reference(name, kind)
+            except Exception as exc:
+                return f"REFERENCE FAILED {type(exc).__name__}: {str(exc)[:200]}"
+            losses, state = tz.run_engine(name, tz.config_for(kind, stage, d, units=tz.unit_bytes(name)))
             tz.check_against(name, losses, state, ref)
         except Exception as exc:
             return _failure(exc)
     return "ok"
+
+
+def _verdict(name: str, check: str, row: str, patterns: bool) -> str:
+    """A pattern's row marked when PENDING lists its check: still failing, or to be switched on."""
+    if not patterns:
+        return row
+    import _zoo_patterns
+
+    if check not in _zoo_patterns.PENDING.get(name, ((), ""))[0]:
+        return row
+    return "ok (pending: remove it from PENDING)" if row == "ok" else f"{row} (pending)"
+
+
+def _noise_only(verdict: str) -> bool:
+    """A failed comparison whose losses agree to 1e-6 and that names noise elements: the harness's
+    limit (more than 1% of the elements got a noise-sized gradient, see the module docstring)."""
+    import re
+
+    m = re.search(r"loss rel err ([0-9.e+-]+)", verdict)
+    return bool(m) and float(m.group(1)) <= 1e-6 and "noise elements" in verdict
+
+
+def _grid(names: list[str], forms: tuple[str, ...], verdicts: dict[tuple[str, str], str]) -> str:
+    """The verdicts as a markdown table: a row per case, a column per check."""
+    def cell(v: str) -> str:
+        word = {"ok": "ok", "n/a": "-"}.get(v.split()[0], "noise" if _noise_only(v) else "FAIL")
+        return word + (" (p)" if v.endswith(("(pending)", "PENDING)")) else "")
+    lines = ["| case | " + " | ".join(forms) + " |", "|---" * (len(forms) + 1) + "|"]
+    lines += [f"| {n} | " + " | ".join(cell(verdicts[n, f]) for f in forms) + " |" for n in names]
+    return "\n".join(lines)
 
 
 def _failure(exc: Exception) -> str:

@@ -27,12 +27,15 @@ Batch = dict[str, torch.Tensor]
 @dataclass(frozen=True)
 class Case:
     """One architecture: how to build it (seeded), a micro-batch of `rows` rows for a step, and
-    its loss; `meta_build` (transformers models) builds the same class on the meta device."""
+    its loss; `meta_build` builds the same class on the meta device. `fresh`: every copy is a new
+    seeded build, not a deep copy (a deep copy drops a parameter's hooks, makes a ScriptModule's
+    parameters non-leaf, and refuses the legacy weight_norm)."""
     name: str
     build: Callable[[], nn.Module]
     batch: Callable[[int, int], Batch]
     loss: Callable[[Callable[..., Any], Batch], torch.Tensor]
     meta_build: Callable[[], nn.Module] | None = None
+    fresh: bool = False
 
 
 def _gen(step: int) -> torch.Generator:
@@ -282,11 +285,15 @@ def _cases() -> dict[str, Case]:
 
 
 CASES = _cases()
+ARCHITECTURES = tuple(CASES)  # the transformers and peer models (tests/_zoo_patterns.py adds the plain-torch patterns)
 _EAGER: dict[str, nn.Module] = {}
 
 
 def eager(name: str) -> nn.Module:
-    """A fresh copy of the case's eager model: built once per process, then deep-copied (ties kept)."""
+    """A fresh copy of the case's eager model: built once per process, then deep-copied (ties kept),
+    or built anew each time for a `fresh` case."""
+    if CASES[name].fresh:
+        return CASES[name].build()
     if name not in _EAGER:
         _EAGER[name] = CASES[name].build()
     return copy.deepcopy(_EAGER[name])
@@ -329,15 +336,18 @@ def reference(name: str, steps: int, rows: int, hyper: Hyper, dtype: torch.dtype
     loss the mean of each rank's loss on its rows, as data parallelism (DDP, ZeRO) defines it (a
     load-balancing loss is not a mean over tokens). bf16: the usual mixed-precision loop, a bf16
     model stepped through fp32 master copies."""
-    case, model = CASES[name], eager(name).to(dtype)
+    case, model = CASES[name], eager(name)
+    model = model if dtype == torch.float32 else model.to(dtype)  # .to(float32) would make complex weights real
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for _, p in named] if dtype != torch.float32 \
         else [p for _, p in named]
     opt = torch.optim.AdamW(masters, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay)
     losses, no_grad, noise = [], set(), {}
+    slots, ranks_states = _state_slots(model), _states_per_rank(model, world)
     for step in range(steps):
         batch = _cast(case.batch(step, rows * world), dtype)
-        loss = sum(case.loss(model, split(batch, r, world)) for r in range(world)) / world
+        loss = sum(_on_rank(model, ranks_states, r, lambda: case.loss(model, split(batch, r, world)), slots)
+                   for r in range(world)) / world
         loss.backward()
         no_grad |= {n for n, p in named if p.grad is None}
         _mark_noise(named, noise)
@@ -353,12 +363,48 @@ def reference(name: str, steps: int, rows: int, hyper: Hyper, dtype: torch.dtype
                 for (_, p), m in zip(named, masters):
                     p.copy_(m)
         losses.append(float(loss.detach()))
+    _on_rank(model, ranks_states, 0, lambda: None, slots)  # rank 0's are what its state dict holds
     master_of = {id(p): m for (_, p), m in zip(named, masters)}  # every name of a tied parameter
     state = {k: master_of.get(id(v), v).detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
     first = {id(p): n for n, p in reversed(list(model.named_parameters()))}
     by_key = {k: noise[first[id(v)]] for k, v in model.state_dict(keep_vars=True).items()
               if first.get(id(v)) in noise}  # a tied parameter's every name
     return Reference(losses, state, no_grad, by_key, hyper, steps)
+
+
+def _states_per_rank(model: nn.Module, world: int) -> list[dict[int, torch.Tensor]] | None:
+    """Each rank's own copy of what a forward may edit, at D > 1: the buffers and the frozen
+    parameters. Ranks do not synchronize buffers (docs/limits.md, as DDP with
+    broadcast_buffers=False), so a buffer that a forward updates (BatchNorm's statistics,
+    spectral_norm's vectors, an EMA, QAT's observers), or a frozen parameter (a momentum
+    teacher's), is updated on each rank by that rank's forward alone; None at D = 1. Keyed by the
+    id of the model's own tensor, so ties stay tied."""
+    if world == 1:
+        return None
+    slots = _state_slots(model)
+    originals = {id(t): t for _, _, _, t in slots}
+    return [{key: _clone_like(t) for key, t in originals.items()} for _ in range(world)]
+
+
+def _state_slots(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """(module, "_buffers" or "_parameters", name, tensor) of every buffer and frozen parameter."""
+    out = [(m, "_buffers", k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    return out + [(m, "_parameters", k, p) for m in model.modules() for k, p in m._parameters.items()
+                  if p is not None and not p.requires_grad]
+
+
+def _clone_like(t: torch.Tensor) -> torch.Tensor:
+    return nn.Parameter(t.detach().clone(), requires_grad=False) if isinstance(t, nn.Parameter) else t.clone()
+
+
+def _on_rank(model: nn.Module, ranks_states: list[dict[int, torch.Tensor]] | None, rank: int,
+             run: Callable[[], Any], slots: list[tuple[nn.Module, str, str, torch.Tensor]] | None = None) -> Any:
+    """`run()` with the model's buffers and frozen parameters bound to `rank`'s own tensors
+    (replaced, not copied into: autograd may have saved another rank's for its backward)."""
+    if ranks_states is not None:
+        for m, where, k, t in slots:
+            getattr(m, where)[k] = ranks_states[rank][id(t)]
+    return run()
 
 
 def _mark_noise(named: list[tuple[str, nn.Parameter]], noise: dict[str, torch.Tensor]) -> None:
