@@ -452,6 +452,9 @@ def compare(got: dict[str, torch.Tensor], ref: Reference, tol: float) -> list[st
             bad.append(f"{k}: missing")
         elif tuple(got[k].shape) != tuple(v.shape):
             bad.append(f"{k}: shape {tuple(got[k].shape)} != {tuple(v.shape)}")
+        elif v.is_complex():  # as (real, imag) pairs, as AdamW steps it
+            bad += _compare_float(k, torch.view_as_real(got[k]).double(), torch.view_as_real(v).double(),
+                                  None, ref, tol)
         elif not v.is_floating_point():
             if not torch.equal(got[k].to(v.dtype), v):
                 bad.append(f"{k}: {got[k].tolist()} != {v.tolist()}")

@@ -787,34 +787,14 @@ EVERY = CHECKS
 # other checks still run) until the fix is merged; then its entry goes. scripts/zoo_sweep.py
 # --patterns runs every check of every pattern. pattern: (the checks that fail, why).
 PENDING: dict[str, tuple[tuple[str, ...], str]] = {
-    "embedding_max_norm": (STAGE3 + DP + ("meta",), "stage 3 drops the forward's in-place renormalization of the "
-                           "gathered weight without an error (3-default: emb.weight rel err 1.1 after 3 steps, loss "
-                           "1.63507 for AdamW's 1.63500 at step 2); at D = 2 (stages 0 and 2 too) each rank "
-                           "renormalizes the rows its own tokens look up, so no one AdamW run is the answer"),
-    "weight_clip_in_forward": (STAGE3 + ("meta",), "stage 3 drops an in-place edit of a trainable weight made "
-                               "in forward, as for max_norm, without an error (3-default: lin.weight rel err 9.1e-2)"),
-    "momentum_teacher": (STAGE3 + ("meta",), "stage 3 drops the forward's in-place update of frozen parameters "
-                         "(the EMA teacher) without an error (3-default: teacher.*.weight rel err 1.7e-3)"),
-    "child_method": (("3-default", "meta"), "stage 3 with default units: the root calls coder.encode(), not "
-                     "coder's forward, and the first forward refuses it ('coder.down' ran while its unit 'coder' "
-                     "was not gathered); per-layer units (3-scaled) train"),
-    "checkpoint_sequential": (("3-default", "meta"), "stage 3 with default units: checkpoint_sequential runs the "
-                              "Sequential's items, not its forward, and the first forward refuses it ('layers.0.0' "
-                              "ran while its unit 'layers' was not gathered); per-layer units (3-scaled) train"),
-    "vmap": (("3-default", "3-scaled", "D=2 3-scaled", "resume 3", "meta"), "stage 3: a module called under "
-             "torch.func.vmap fails in backward inside torch (here: setStorage: sizes [16, 16] ... out of bounds for "
-             "storage of size 0): what vmap saved is the released, empty parameter; the DeepSpeed form passes, "
-             "its stage3_param_persistence_threshold (resident_bytes) keeping these small weights whole"),
-    "complex_params": (EVERY, "every stage: the complex parameter reaches the model real, and its forward fails "
-                       "inside torch (expected m1 and m2 to have the same dtype: complex<float> != float)"),
-    "int_bool_params": (STAGE3 + ("resume 3", "meta"), "stage 3 gathers the frozen int64 parameter as "
-                        "float: indexing with it fails inside torch (tensors used as indices must be long, int, "
-                        "byte or bool tensors, at engine/stage3/hooks.py)"),
-    "torchscript": (EVERY, "a ScriptModule fails inside the engine: stages 0 and 2 'OrderedDictWrapper' object has "
-                    "no attribute 'get', stage 3 '_CachedForward' object has no attribute '__getattr__'"),
-    "qat": (("resume 0", "resume 2", "resume 3"), "load_checkpoint refuses the observers' buffers, which the first "
-            "forward resized: 'l1.weight_fake_quant.scale' is float32 (16,), the model's (1,) (torch's own "
-            "load_state_dict resizes them)"),
+    "embedding_max_norm": (DP, "at D = 2 each rank renormalizes the rows its own tokens look up (at every stage, "
+                           "as DDP replicas would), so no one AdamW run is the answer: a limit of the oracle"),
+    "complex_params": (("meta",), "refused at initialize in one line: a meta complex parameter has no value the "
+                       "meta build fills (docs/limits.md)"),
+    "int_bool_params": (("meta",), "refused at initialize in one line: a frozen integer parameter on the meta "
+                        "device has no value stage 3 fills (docs/limits.md)"),
+    "torchscript": (STAGE3 + ("resume 3", "meta"), "refused at initialize in one line: stage 3 cannot hook a model "
+                    "that is itself a TorchScript module (docs/limits.md); stages 0-2 train it"),
 }
 
 

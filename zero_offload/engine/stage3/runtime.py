@@ -190,6 +190,7 @@ class Stage3Runtime(RuntimeBase):
             self._writing: deque[tuple[Unit, str]] = deque()  # updated shards being written (oldest first)
             self._waiting: list[tuple[Unit, torch.Tensor]] = []  # reduced, incomplete here: for the agreement
             self._watches: list[hooks.InputWatch] = []
+            self._pinned: list[Unit] = []  # units used under torch.func transforms: gathered until backward ends
             self._reset_pass()
         except BaseException:  # an init_fn that raises, a full drive: what was made goes (threads, files, locks)
             self.close()
@@ -452,6 +453,7 @@ class Stage3Runtime(RuntimeBase):
                 self._watches.append(watch)
             for u in units:
                 self._count_use(u, watch is not None)
+                self._pin_under_transform(u)
                 if self.stage is PassStage.BACKWARD:  # checkpoint recomputation
                     rec = self._unit_pass[u.index]
                     if rec.held:
@@ -463,6 +465,21 @@ class Stage3Runtime(RuntimeBase):
         if module is self.model and self.stage is PassStage.FORWARD:
             self._start_read_watch()
         self._segment_start()
+
+    def _pin_under_transform(self, u: Unit) -> None:
+        """A unit used inside torch.func.vmap (or another functorch transform) with grad: the
+        transform's outputs carry no hooks of ours, so nothing would gather the unit again for
+        the backward of what the transform saved. It stays gathered until backward ends."""
+        if (self.stage is PassStage.FORWARD and torch.is_grad_enabled() and u not in self._pinned
+                and torch._C._functorch.maybe_current_level() is not None):
+            self._pinned.append(u)
+            self._acquire(u)
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        for u in pinned:
+            if self._unit_pass[u.index].refs:
+                self._unacquire(u)
 
     def _count_use(self, u: Unit, watched: bool) -> None:
         """A use of a unit with frozen parameters: watched ones are counted until their inputs'
@@ -644,6 +661,7 @@ class Stage3Runtime(RuntimeBase):
         for watch in self._watches:  # the last pass's input hooks (see hooks.InputWatch)
             watch.remove()
         self._watches = []
+        self._pinned = []  # their refs go with the pass records below
         self._unit_pass = [UnitPass(u) for u in self.units]  # every unit's pass state, by index
         self._seg: int | None = None
         self._stop_read_watch()  # a forward that raised (its always-called hook ends it too)
@@ -653,6 +671,7 @@ class Stage3Runtime(RuntimeBase):
             self.prefetcher.schedule.forget()
 
     def _begin_pass(self) -> None:
+        self._unpin()  # an evaluation forward under a transform: no backward released them
         if self.stage is PassStage.FORWARD and self.units_in_use():
             self.prefetcher.release_all()  # the previous forward raised part way: what it held goes
             self._recheck = True  # a read the watch was off for may be why
@@ -685,6 +704,7 @@ class Stage3Runtime(RuntimeBase):
             if not rec.finished and (u.trainable is not None or rec.held):
                 self._finish_unit(u)
             self._let_go(u)  # a mixed unit whose inputs' gradient never came (nothing upstream wanted it)
+        self._unpin()
         leaked = [u.name for u in self.units if u.state is not UnitState.SHARDED and not u.resident]
         if leaked:
             raise RuntimeError(f"stage 3: units {leaked} are still gathered after backward")
