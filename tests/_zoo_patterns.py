@@ -5,9 +5,9 @@ buffers updated in forward, unusual parameter dtypes, TorchScript, QAT, ...), in
 format: each is a _zoo_models.Case whose model's forward takes the batch and returns the loss.
 
 Importing this module adds every pattern to _zoo_models.CASES, so the zoo's oracle, training loop
-and checks (tests/test_zoo.py) take them as they take the architectures. CI runs every pattern but
-those of PENDING, which names, in one place, why each of those fails today; scripts/zoo_sweep.py
---patterns runs them all.
+and checks (tests/test_zoo.py) take them as they take the architectures. CI runs every check of
+every pattern but those PENDING names, in one place, with why each fails today;
+scripts/zoo_sweep.py --patterns runs them all. docs/zoo.md has the tables.
 """
 from __future__ import annotations
 
