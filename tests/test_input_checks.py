@@ -327,3 +327,20 @@ def test_deepspeed_weight_decay_left_out_is_deepspeeds_zero() -> None:
     without the key used to get."""
     cfg = config_from_deepspeed(_ds(optimizer={"type": "AdamW", "params": {"lr": 1e-4}}))
     assert cfg.optimizer.weight_decay == 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_a_sparse_embedding_is_refused_in_one_line_at_initialize(stage: int, kind: str) -> None:
+    """Its sparse gradient failed inside the engine's flat buffers ("unsupported memory format
+    option Contiguous"); torch.optim.AdamW refuses sparse gradients too."""
+    from torch import nn
+
+    import zero_offload
+
+    model = nn.Sequential(getattr(nn, kind)(10, 4, sparse=True), nn.Linear(4, 1))
+    with pytest.raises(ConfigError,
+                       match=rf"^initialize: '0' \({kind}\) has sparse=True, whose sparse gradients the engine "
+                             r"cannot step \(nor can torch.optim.AdamW\): build it with sparse=False$"):
+        zero_offload.initialize(model, {"stage": stage, "tiers": {"optimizer": "cpu", "grads": "cpu",
+                                                                  **({"params": "cpu"} if stage == 3 else {})}})

@@ -19,6 +19,7 @@ import torch
 
 from zero_offload import comm
 from zero_offload.config import Config, ConfigError
+from zero_offload.engine.model.attributes import refuse_sparse_gradients
 from zero_offload.engine.model.weights_files import Weights
 from zero_offload.engine.runtime import ModelView, Runtime, Standing, TrainingState
 from zero_offload.engine.step.param_groups import resolve as resolve_groups, runs as group_runs
@@ -120,6 +121,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Config, *, init_fn: Any = None,
                  weights: Weights = None, param_groups: Any = None) -> None:
         self.config = config
+        refuse_sparse_gradients(model)
         # Resolved before anything else: stage 3 replaces the parameter objects the groups name.
         groups = None if param_groups is None else resolve_groups(model, param_groups, config.optimizer)
         self._group_of = {} if groups is None else dict(groups[1])  # trainable name -> its param group

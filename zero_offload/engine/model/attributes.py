@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from zero_offload.config import ConfigError
+
 # (module, attribute, qualified name, parameter, whether it trained at initialize)
 Binding = tuple[nn.Module, str, str, nn.Parameter, bool]
 
@@ -37,3 +39,12 @@ def check_bindings(bindings: list[Binding]) -> None:
                                "initialize (load_state_dict(assign=True), or a new nn.Parameter); the engine trains "
                                "the original: copy new values into it in place instead (with torch.no_grad(): "
                                "p.copy_(new)), or load them before initialize")
+
+
+def refuse_sparse_gradients(model: nn.Module) -> None:
+    """An embedding with sparse=True gives its weight a sparse gradient, which no flat buffer
+    holds (torch's own AdamW refuses it too): one line at initialize, not a failure inside torch."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ConfigError(f"initialize: '{name}' ({type(m).__name__}) has sparse=True, whose sparse gradients "
+                             "the engine cannot step (nor can torch.optim.AdamW): build it with sparse=False")
