@@ -13,7 +13,7 @@ VPY := $(VENV)/bin/python
 DEPS := torch==2.13.0 numpy psutil aiofiles pytest tqdm setuptools wheel \
 	transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 accelerate==1.15.0 simde-py==0.8.2.post1
 
-.PHONY: demo test native setup clean
+.PHONY: demo test test-fast native setup clean
 
 $(VENV)/.deps-stamp: Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ demo: setup
 
 test: setup
 	$(VPY) -m pytest tests
+
+# The inner loop: the tests that start no ranks, need no transformers and are not slow
+# (tests/conftest.py marks them); `make test` is the whole suite, and CI runs it.
+test-fast: setup
+	$(VPY) -m pytest tests -q -m "not dist and not hf and not slow"
 
 clean:
 	rm -rf build $(VENV) zero_offload/*.so *.egg-info
