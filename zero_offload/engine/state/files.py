@@ -25,6 +25,7 @@ from typing import IO, Any, Iterator, NamedTuple
 import torch
 
 from zero_offload.engine.model.weights_files import refused_pickle
+from zero_offload.interrupts import held_interrupts
 from zero_offload.io import checksum
 
 FORMAT = 2  # 2: whole-file checksums (manifest "checksums"); 1 is still read, verified per tensor
@@ -221,10 +222,16 @@ class _Summing:
 
     def __init__(self, f: Any, total: checksum.FileChecksum) -> None:
         self.f, self.total = f, total
+        self.interrupt: BaseException | None = None  # torch's writer turns it into "unexpected pos"
 
     def write(self, data: Any) -> int:
-        self.total.update(data)
-        return self.f.write(data)
+        try:
+            self.total.update(data)
+            return self.f.write(data)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.interrupt = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -237,7 +244,14 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str) -> Written:
     saved = {k: saved_form(k, v) for k, v in tensors.items()}  # described as written
     total = checksum.FileChecksum()
     with durable(path) as f:
-        torch.save(saved, _Summing(f, total))
+        out = _Summing(f, total)
+        try:
+            with held_interrupts():  # a Ctrl-C raised inside torch's writer became "unexpected pos"
+                torch.save(saved, out)
+        except Exception:
+            if out.interrupt is not None:  # raised by a second Ctrl-C there: it stays a Ctrl-C
+                raise out.interrupt from None
+            raise
     return Written({k: describe(v) for k, v in saved.items()}, total.digest())
 
 
