@@ -104,3 +104,40 @@ def test_a_ctrl_c_during_step_is_raised_after_it_and_a_second_one_stops_the_engi
     _step(eng, 2)
     assert eng.global_steps == 2 and set(so.steps.values()) == {2}
     eng.close()
+
+
+@pytest.mark.parametrize("where", ["makedirs", "rename"])
+def test_a_save_to_a_read_only_or_full_drive_names_the_file_and_the_drive(where: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making `<path>.tmp` on a read-only drive, or the swap's rename on a full one, raised a
+    bare OSError; now it is the one-line CheckpointError naming the file and the drive, the
+    previous checkpoint stays and nothing is lost."""
+    import errno
+
+    from zero_offload.engine.state import files, save
+    from zero_offload.engine.state.files import CheckpointError
+
+    eng = _engine(tmp_path)
+    _step(eng, 1)
+    ck = str(tmp_path / "ck")
+    eng.save_checkpoint(ck)
+    _step(eng, 2)
+    if where == "makedirs":
+        def fail(path: str, *args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        monkeypatch.setattr(save.os, "makedirs", fail)
+    else:
+        def fail(src: str, dst: str) -> None:  # noqa: ARG001 -- an error that names no file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(files.os, "rename", fail)
+    with pytest.raises(CheckpointError) as info:
+        eng.save_checkpoint(ck)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert "\n" not in message and ck + ".tmp" in message and "on the drive mounted at" in message, message
+    assert os.strerror(errno.EROFS if where == "makedirs" else errno.ENOSPC) in message
+    assert eng.stopped is None
+    eng.save_checkpoint(ck)  # nothing was lost: the same engine saves once the drive is back
+    eng.load_checkpoint(ck)
+    assert eng.global_steps == 2
+    eng.close()

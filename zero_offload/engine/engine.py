@@ -156,9 +156,11 @@ class Engine:
 
     def _forced(self) -> None:
         """A second Ctrl-C while one was held: the call ends wherever it is (in a SIGINT handler,
-        before the KeyboardInterrupt is raised), so the engine stops first."""
-        self.health.stop(f"a second Ctrl-C ended step {self.global_steps + 1} part way (phase {self.phase.phase.value}); "
-                         "its state is not known")
+        before the KeyboardInterrupt is raised), so the engine stops first (a load in progress
+        is LOAD_FAILED already)."""
+        if self.health.health is Health.OK:
+            self.health.stop(f"a second Ctrl-C ended step {self.global_steps + 1} part way "
+                             f"(phase {self.phase.phase.value}); its state is not known")
 
     def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: Weights) -> None:
         """Stages 0-2: the whole model on the compute device in the compute dtype."""

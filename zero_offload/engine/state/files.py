@@ -55,8 +55,32 @@ def writing(path: str) -> Iterator[None]:
         cause = _os_error(exc)
         if cause is None:
             raise
-        text = os.strerror(cause.errno) if cause.errno else str(cause)
-        raise CheckpointError(f"could not write {path}: {text}") from exc
+        raise os_failure(cause, path) from exc
+
+
+def os_failure(exc: OSError, path: str, doing: str = "write") -> CheckpointError:
+    """One line for a save's OSError: the file (the error's own, else `path`), the OS cause, and
+    the drive it is on (its mount point and free bytes), as a full or read-only drive is the
+    usual cause."""
+    target = exc.filename if isinstance(exc.filename, str) else path
+    text = os.strerror(exc.errno) if exc.errno else (str(exc) or type(exc).__name__)
+    return CheckpointError(f"could not {doing} {target}: {text} ({drive_of(target)})")
+
+
+def drive_of(path: str) -> str:
+    """'on the drive mounted at M, N bytes free' for the file system holding `path` (or the
+    nearest folder above it that exists)."""
+    at = os.path.abspath(path)
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    mount = at
+    while not os.path.ismount(mount) and os.path.dirname(mount) != mount:
+        mount = os.path.dirname(mount)
+    try:
+        free = f", {shutil.disk_usage(at).free:,} bytes free"
+    except OSError:
+        free = ""
+    return f"on the drive mounted at {mount}{free}"
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:
