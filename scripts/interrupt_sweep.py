@@ -1,8 +1,9 @@
 """The interrupt sweep in full: SIGINT at every distinct line (or, with --all, every line event)
-the main thread runs in one training step and its save, for each stage x tier x I/O backend,
+the main thread runs in one training step and its save (and in a load), for each stage x tier x I/O backend,
 and a table of what each left the engine in (docs/faults.md, "Ctrl-C anywhere").
 
     python scripts/interrupt_sweep.py [--all] [--stages 2 3] [--tiers cpu nvme] [--backends native aiofiles]
+                                      [--what step load]
 
 Each case runs in a child process (tests/_interrupt_sweep.py) under `--timeout`; a hang is
 reported by the child's watchdog with every thread's stack. Exits 1 if any outcome is bad.
@@ -22,12 +23,12 @@ ROOT = os.path.dirname(HERE)
 COLUMNS = ("consistent@1", "consistent@2", "consistent@backward", "stopped", "not reached")
 
 
-def run_case(stage: int, tier: str, backend: str, exhaustive: bool, timeout: float) -> dict[str, Any]:
+def run_case(stage: int, tier: str, backend: str, what: str, exhaustive: bool, timeout: float) -> dict[str, Any]:
     """One case's summary (the child's JSON line), or a row saying why there is none."""
     cmd = [sys.executable, os.path.join(ROOT, "tests", "_interrupt_sweep.py"), "--stage", str(stage),
-           "--tier", tier, "--backend", backend] + (["--all"] if exhaustive else [])
+           "--tier", tier, "--backend", backend, "--what", what] + (["--all"] if exhaustive else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    name = f"stage{stage}-{tier}-{backend}"
+    name = f"stage{stage}-{tier}-{backend}" + ("" if what == "step" else f"-{what}")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -53,19 +54,20 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--tiers", nargs="+", default=["cpu", "nvme"])
     ap.add_argument("--backends", nargs="+", default=["native", "aiofiles"], help="for the nvme tier")
+    ap.add_argument("--what", nargs="+", default=["step", "load"], help="what the points interrupt")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     args = ap.parse_args()
     print("| case | line events | distinct lines | points | " + " | ".join(COLUMNS) + " | bad |")
     print("|---" * (5 + len(COLUMNS)) + "|")
     bad = 0
-    for stage in args.stages:
-        for tier in args.tiers:
-            for backend in (args.backends if tier == "nvme" else ["auto"]):
-                out = run_case(stage, tier, backend, args.all, args.timeout)
-                print(row(out), flush=True)
-                for b in out.get("bad", []):
-                    print(f"    BAD {b['point']} {b['where']}: {b['outcome']} {b['detail']}", file=sys.stderr)
-                bad += len(out.get("bad", [])) + ("error" in out)
+    cases = [(stage, tier, backend, what) for what in args.what for stage in args.stages for tier in args.tiers
+             for backend in (args.backends if tier == "nvme" else ["auto"])]
+    for stage, tier, backend, what in cases:
+        out = run_case(stage, tier, backend, what, args.all, args.timeout)
+        print(row(out), flush=True)
+        for b in out.get("bad", []):
+            print(f"    BAD {b['point']} {b['where']}: {b['outcome']} {b['detail']}", file=sys.stderr)
+        bad += len(out.get("bad", [])) + ("error" in out)
     return 1 if bad else 0
 
 
