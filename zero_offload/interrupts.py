@@ -76,6 +76,7 @@ class InterruptGuard:
         previous = self._previous
         if signal.getsignal(signal.SIGINT) == self._hold:
             signal.signal(signal.SIGINT, previous)
+        self._previous = None  # not kept: it may be another engine's guard (nothing else holds it)
         pending, self._pending = self._pending, None
         if pending is not None:
             previous(*pending)
