@@ -433,6 +433,7 @@ def main() -> None:
     ap.add_argument("--what", choices=("step", "load"), default="step", help="what the points interrupt")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with SIGINT ignored
     out = sweep(Case(args.stage, args.tier, args.backend, args.what), args.every, args.all, args.only)
     print(json.dumps(out), flush=True)
 
