@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -151,3 +152,45 @@ def test_a_save_to_a_read_only_or_full_drive_names_the_file_and_the_drive(where:
     eng.load_checkpoint(ck)
     assert eng.global_steps == 2
     eng.close()
+
+
+def test_a_second_ctrl_c_while_the_step_waits_for_its_worker_ends_it_without_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two SIGINTs while step() waits for the worker (a deferred step: clip_grad_norm): the
+    first is held, the second ends the wait at once. The job in flight finishes, the ones not
+    begun are skipped (the drain took the second Ctrl-C for the first, held one, and stepped
+    them all), the engine stops and a load brings it back."""
+    from zero_offload.engine.step import pipeline as step_mod
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        cfg = Config(stage=2, precision={"dtype": "fp32"}, tiers={"optimizer": "cpu", "grads": "cpu"},
+                     bucket_bytes=8 * 9 * 4, clip_grad_norm=1.0, optimizer={"lr": 0.01})
+        eng = zero_offload.initialize(model, cfg)
+        _step(eng, 1)
+        eng.save_checkpoint(str(tmp_path / "ck"))
+        real, calls = step_mod.HostAdam.__call__, []
+
+        def kernel(self: object, *args: object) -> None:  # on the worker thread
+            calls.append(1)
+            if len(calls) == 1:  # two Ctrl-Cs, the second once the first is held (two at once are one)
+                for done in (lambda: eng.interrupts.pending, lambda: eng.stopped is not None):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    deadline = time.monotonic() + 5.0  # a bound, not a timing: the main thread handles it
+                    while not done() and time.monotonic() < deadline:
+                        time.sleep(0.001)
+            real(self, *args)
+        monkeypatch.setattr(step_mod.HostAdam, "__call__", kernel)
+        with pytest.raises(KeyboardInterrupt):
+            _step(eng, 2)
+        monkeypatch.setattr(step_mod.HostAdam, "__call__", real)
+        assert eng.stopped is not None and "second Ctrl-C" in eng.stopped
+        assert len(calls) < len(eng.runtime.buckets), calls  # the jobs not begun were skipped
+        eng.load_checkpoint(str(tmp_path / "ck"))
+        _step(eng, 2)
+        assert eng.global_steps == 2 and set(eng.runtime.shard_optimizer.steps.values()) == {2}
+        eng.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)

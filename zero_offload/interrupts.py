@@ -65,8 +65,10 @@ class InterruptGuard:
         if self._pending is None:
             self._pending = (signum, frame)
             return
+        global _forced
         previous = self._previous  # a second Ctrl-C: the state is not known any more
         signal.signal(signal.SIGINT, previous)
+        _forced += 1
         self.on_forced()
         previous(signum, frame)
 
@@ -83,6 +85,13 @@ class InterruptGuard:
 
 
 _HELD = InterruptGuard(lambda: None)
+_forced = 0  # second Ctrl-Cs that ended a hold at once, in this process
+
+
+def forced_count() -> int:
+    """How many holds a second Ctrl-C has ended so far: a wait that sees the count grow knows
+    its KeyboardInterrupt means "stop now", not the first Ctrl-C it would finish the step for."""
+    return _forced
 
 
 def held_interrupts() -> contextlib.AbstractContextManager[None]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS, Region, StagingRing, span
-from zero_offload.interrupts import held_interrupts
+from zero_offload.interrupts import forced_count, held_interrupts
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.optim.adamw import ADAMW
 # AdamW's kernels and their scalars live with the optimizer (optim/adamw_kernels.py); the engine
@@ -334,14 +334,17 @@ class StepPipeline:
         An interrupt (Ctrl-C) while waiting does not stop the worker: the shards still queued have
         their gradients, so the step is finished on every one of them and handed over, and the
         interrupt is held for drain() to raise once it is, so that every shard ends the step at
-        the same count. A second interrupt stops the worker as a failure does."""
+        the same count. A second interrupt stops the worker as a failure does, and so does the
+        first one to reach this wait when it is a second Ctrl-C that ended the Engine's hold
+        (interrupts.forced_count: the first was held, never raised here)."""
         self._handed, self.failed_hand_over, self._interrupt, self._failure = 0, None, None, None
+        forced = forced_count()
         while True:
             try:
                 self._take_all(each)
                 break
             except BaseException as exc:  # an interrupt while waiting: `each`'s own are caught
-                if self._interrupt is None and self._failure is None:
+                if self._interrupt is None and self._failure is None and forced_count() == forced:
                     self._interrupt = exc  # the first: finish the step, then raise it
                     continue
                 self._failure = self._failure or exc
