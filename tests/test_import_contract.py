@@ -23,6 +23,7 @@ import pytest
 # its own group's row ("io" with "io.*").
 LAYERS: list[list[list[str]]] = [
     [["trace"]],  # the span recorder; imports nothing of ours
+    [["interrupts"]],  # Ctrl-C held over a transaction; imports nothing of ours
     [["native"]],  # loading the C++ library
     [["comm"]],  # the only file that calls torch.distributed; imports nothing of ours
     [["tiers"]],  # the tier registry: pure data, asked by config and everything above

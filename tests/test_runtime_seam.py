@@ -86,8 +86,8 @@ def test_health_transitions_raise_from_a_wrong_state() -> None:
         h.resume()  # nothing stopped
     h.stop("a step failed")
     assert (h.health, h.why(Health.STOPPED), h.why(Health.LOAD_FAILED)) == (Health.STOPPED, "a step failed", None)
-    with pytest.raises(EngineStateError, match="cannot stop"):
-        h.stop("again")
+    h.stop("again")  # a stop after a stop (a second Ctrl-C stops first) keeps the first reason
+    assert h.why(Health.STOPPED) == "a step failed"
     h.begin_load()  # STOPPED -> LOAD_FAILED while the load writes
     h.load_failed("OSError: gone")
     assert h.why(Health.LOAD_FAILED) == "OSError: gone"

@@ -24,7 +24,7 @@ from zero_offload.engine.model.weights_files import Weights
 from zero_offload.engine.runtime import ModelView, Runtime, Standing, TrainingState
 from zero_offload.engine.step.param_groups import resolve as resolve_groups, runs as group_runs
 from zero_offload.engine.step.shard_optimizer import DTYPES, HandOverFailed
-from zero_offload.engine.phase import EngineStateError, Phase, PhaseMachine  # the phase machine (phase.py)
+from zero_offload.engine.phase import EngineStateError, InterruptGuard, Phase, PhaseMachine  # phase.py
 from zero_offload.io import swap_files
 
 
@@ -54,7 +54,11 @@ class HealthState:
         self.health, self.reason = to, reason
 
     def stop(self, reason: str) -> None:
-        """A failure left nothing to go on from (see Engine._abort_backward, _runtime_step)."""
+        """A failure left nothing to go on from (see Engine._abort_backward, _runtime_step); a
+        stop after a stop keeps the first reason (a second Ctrl-C stops first, then the
+        failure it caused is seen)."""
+        if self.health is Health.STOPPED:
+            return
         self._move("stop", (Health.OK,), Health.STOPPED, reason)
 
     def resume(self) -> None:
@@ -131,6 +135,9 @@ class Engine:
         self.orig_dtypes = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
         self.phase = PhaseMachine()
         self.health = HealthState()  # OK, STOPPED, LOAD_FAILED, CLOSED (see _require_loaded)
+        # Ctrl-C is held while backward and step run (their bookkeeping is one transaction); a
+        # second one ends the call at once and stops the engine (_forced).
+        self.interrupts = InterruptGuard(self._forced)
         self.micro_step = 0
         self.global_steps = 0
         self._hyper: list[tuple] | None = None  # hyperparameters when the last backward began
@@ -164,6 +171,14 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _forced(self) -> None:
+        """A second Ctrl-C while one was held: the call ends wherever it is (in a SIGINT handler,
+        before the KeyboardInterrupt is raised), so the engine stops first (a load in progress
+        is LOAD_FAILED already)."""
+        if self.health.health is Health.OK:
+            self.health.stop(f"a second Ctrl-C ended step {self.global_steps + 1} part way "
+                             f"(phase {self.phase.phase.value}); its state is not known")
 
     def _build_bucket_runtime(self, model: torch.nn.Module, config: Config, init_fn: Any, weights: Weights) -> None:
         """Stages 0-2: the whole model on the compute device in the compute dtype."""
@@ -248,11 +263,12 @@ class Engine:
         self.micro_step += gas - 1 - self.micro_step % gas
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._require_loaded("forward")
-        self.runtime.refuse_compiled(self.module)
-        if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
-            self.runtime.begin_forward(self.is_boundary)
-        self.phase.start_forward()
+        with self.interrupts.held():  # the optimizer's read-ahead plan is one transaction too
+            self._require_loaded("forward")
+            self.runtime.refuse_compiled(self.module)
+            if self.phase.phase is Phase.IDLE and torch.is_grad_enabled():
+                self.runtime.begin_forward(self.is_boundary)
+            self.phase.start_forward()
         with comm.during("forward", self.global_steps + 1):  # names the step in a peer's failure
             return self.module(*args, **kwargs)
 
@@ -270,7 +286,18 @@ class Engine:
         return self.train(False)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled for fp16); gradients are reduced and stepped as they arrive."""
+        """Backward of `loss` (scaled for fp16); gradients are reduced and stepped as they arrive.
+
+        A Ctrl-C during backward is held (InterruptGuard): the overlapped step has begun updating
+        shards, which cannot be undone, so the backward and then its step() are finished by the
+        engine, and the KeyboardInterrupt is raised with the engine at the new step, whole
+        (the loop's own engine.step() call is not reached)."""
+        with self.interrupts.held():
+            self._backward(loss)
+            if self.interrupts.pending:
+                self._step()
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
@@ -343,8 +370,16 @@ class Engine:
 
     def step(self) -> bool:
         """At the accumulation boundary apply the update (False if skipped for overflow); clears grads.
-        A Ctrl-C while the step waits for its shards is raised once the step is complete on every
-        shard (and counted), so that the engine is left at one step, ready to save or go on."""
+        A Ctrl-C during the step is held (InterruptGuard) and raised once the step is complete
+        on every shard and counted, so that the engine is left at one step, ready to save or go
+        on; a second Ctrl-C ends it at once and stops the engine until a checkpoint is loaded."""
+        with self.interrupts.held():
+            applied = self._step()
+        if self._preemption is not None:  # saves, closes and raises Preempted after a signal
+            self._preemption.at_boundary(self, self.preemption_client_state)
+        return applied
+
+    def _step(self) -> bool:
         self._require_loaded("step")
         self.phase.start_step()
         applied = False
@@ -360,8 +395,6 @@ class Engine:
             interrupt = self.runtime.shard_optimizer.take_interrupt()
             if interrupt is not None:  # the user pressed Ctrl-C: it reaches them (after any error, as its context)
                 raise interrupt
-        if self._preemption is not None:  # saves, closes and raises Preempted after a signal
-            self._preemption.at_boundary(self, self.preemption_client_state)
         return applied
 
     def _runtime_step(self) -> bool:
@@ -458,17 +491,26 @@ class Engine:
         engine's own store failing) leaves it refusing to train or save until a load succeeds."""
         from zero_offload.engine.state.checkpoint import apply_load, prepare_load
 
-        self._require_idle("load_checkpoint")
+        # In any phase: after backward (a Ctrl-C before step()) or after a stop, the load
+        # drops the backward's work and rewrites everything.
+        self._require_open("load_checkpoint")
+        # A call that ended part way (a backward whose step() never came, a stop) may have left
+        # a step's arrivals and held units: dropped as after a failed backward, then rewritten.
+        dirty = self.health.health is not Health.OK or self.phase.phase not in (Phase.IDLE, Phase.FORWARD)
         try:
             plan = prepare_load(self.runtime, self.model_view, self.config, path)  # refused: nothing changed
             self.health.begin_load()
+            if dirty:
+                self.runtime.abort_backward()
             state = apply_load(self.runtime, self.model_view, self.config, plan)
+            with self.interrupts.held():  # the counters, phase and health agree, or the load failed
+                self.global_steps, self.micro_step = state.global_steps, state.micro_step
+                self.phase.reset()
+                self.health.loaded()  # the partial sums and every replica were rewritten with the rest of the state
         except BaseException as exc:
             if self.health.health is Health.LOAD_FAILED:  # this load's failure, or a refusal after a failed one
                 self.health.load_failed(f"{type(exc).__name__}: {exc}")
             raise
-        self.global_steps, self.micro_step = state.global_steps, state.micro_step
-        self.health.loaded()  # the partial sums and every replica were rewritten with the rest of the state
         comm.barrier()
         return plan.client_state
 

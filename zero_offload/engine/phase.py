@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from zero_offload.interrupts import InterruptGuard, held_interrupts  # noqa: F401 -- the Engine's guard
+
 
 class Phase(Enum):
     IDLE = "idle"
@@ -48,6 +50,10 @@ class PhaseMachine:
 
     def abort_backward(self) -> None:
         self._move("backward()", (Phase.BACKWARD,), Phase.IDLE, "internal error: no backward to abort")
+
+    def reset(self) -> None:
+        """Any phase → IDLE: a checkpoint load after a stop rewrote whatever the call left."""
+        self.phase = Phase.IDLE
 
     def view(self) -> PhaseView:
         """The read-only face of this machine, for the parts the Engine drives."""

@@ -84,8 +84,8 @@ def gathered(rt: Gathers, params: list[nn.Parameter], modify: bool) -> Iterator[
     try:
         for u in units:
             if not u.resident:
+                taken.append(u)  # first: a Ctrl-C right after the gather still lets it go below
                 rt.prefetcher.gather_apart(u)
-                taken.append(u)
         yield
         if modify:
             for u in units:

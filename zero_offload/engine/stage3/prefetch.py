@@ -16,8 +16,8 @@ thread exactly when a unit is used, in execution order. Then ranks never disagre
 collective comes next, whatever the prefetcher guessed, so a wrong guess costs a wasted read,
 never a hang.
 
-Budget. `LiveBudget` accounts the bytes of every unit that is fetching or gathered (the full
-flat buffers). A prefetch starts only if it fits. An on-demand fetch that does not fit first drops
+Budget. `LiveBudget` counts the bytes of every unit that is fetching or gathered (the full
+flat buffers), read from the units' states. A prefetch starts only if it fits. An on-demand fetch that does not fit first drops
 prefetched units; if it still does not fit, it is an error naming the units that are held, so the
 budget is never exceeded, not even briefly.
 """
@@ -30,6 +30,7 @@ import torch
 
 from zero_offload import comm
 from zero_offload.engine.stage3.unit import Unit, UnitState
+from zero_offload.interrupts import held_interrupts
 
 
 # A unit under 1/SMALL_UNIT of another's bytes takes no place in the window that decides whether
@@ -92,26 +93,34 @@ class BudgetExceeded(RuntimeError):
 
 
 class LiveBudget:
-    """Accounted bytes of gathered (and fetching) units against a hard limit."""
+    """The bytes of gathered (and fetching) units against a hard limit. `live` is read from
+    the units' own states (every unit not resident and not SHARDED), not counted apart: a
+    count kept beside the state machine was split by a Ctrl-C between the two (a unit SHARDED
+    again whose bytes stayed taken, or the other way round), and every later pass failed with
+    BudgetExceeded or "released more than it took". `take` checks that a unit about to leave
+    SHARDED fits; `give` is its counterpart, kept for the callers' symmetry."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, units: Sequence[Unit] = ()) -> None:
         self.limit = limit
-        self.live = 0
+        self.units = list(units)
         self.peak = 0
+
+    @property
+    def live(self) -> int:
+        return sum(u.nbytes for u in self.units if not u.resident and u.state is not UnitState.SHARDED)
 
     def fits(self, nbytes: int) -> bool:
         return self.live + nbytes <= self.limit
 
     def take(self, nbytes: int) -> None:
-        if not self.fits(nbytes):
-            raise AssertionError(f"live budget exceeded: {self.live} + {nbytes} > {self.limit}")
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        """A unit of `nbytes` is about to leave SHARDED (its state makes it count)."""
+        live = self.live
+        if live + nbytes > self.limit:
+            raise AssertionError(f"live budget exceeded: {live} + {nbytes} > {self.limit}")
+        self.peak = max(self.peak, live + nbytes)
 
-    def give(self, nbytes: int) -> None:
-        self.live -= nbytes
-        if self.live < 0:
-            raise RuntimeError("stage 3: the live budget was released more than it took (internal error)")
+    def give(self, nbytes: int) -> None:  # noqa: ARG002 -- the unit's SHARDED state gives it back
+        """A unit went back to SHARDED (or never left it)."""
 
 
 class Schedule:
@@ -177,7 +186,7 @@ class Prefetcher:
                  siblings: Mapping[int, tuple[str, str]] | None = None) -> None:
         # prefetched: units fetched ahead (FETCHING) or kept after a use (GATHERED), not yet used again
         self.units = list(units)
-        self.budget = LiveBudget(budget)
+        self.budget = LiveBudget(budget, self.units)
         self.depth = depth
         self.schedule = Schedule()
         self.siblings = dict(siblings or {})  # unit_policy.Plan.siblings, for check_same_unit's message
@@ -191,7 +200,13 @@ class Prefetcher:
         self.schedule.begin_pass()
 
     def use(self, unit: Unit) -> None:
-        """`unit` is needed now: make it GATHERED, then start prefetching what comes next."""
+        """`unit` is needed now: make it GATHERED, then start prefetching what comes next. One
+        transaction (interrupts held): a Ctrl-C inside it left a unit half fetched or half
+        released, its parameters empty in the next pass (torch's "weight of shape [0]")."""
+        with held_interrupts():
+            self._use(unit)
+
+    def _use(self, unit: Unit) -> None:
         check_same_unit(unit, siblings=self.siblings)
         following = self.schedule.note_use(unit.index)
         if unit.index in self.apart:  # gathered by engine.gathered for the whole block: nothing to fetch
@@ -211,7 +226,11 @@ class Prefetcher:
         """Done with `unit` for now; it stays gathered if the record says it is used again next.
         Units far smaller than it do not use up the window here (a final norm of 4 KiB between the
         last blocks and the backward would push the last block but one out): keeping costs budget
-        only, which a fetch that needs it takes back."""
+        only, which a fetch that needs it takes back. One transaction, as use() is."""
+        with held_interrupts():
+            self._release(unit)
+
+    def _release(self, unit: Unit) -> None:
         if unit.index in self.apart:  # engine.gathered's block lets it go when it ends
             return
         def free(i: int) -> bool:
@@ -290,17 +309,19 @@ class Prefetcher:
         units (a collective each); after a failure the unit is SHARDED, its bytes back."""
         check_same_unit(unit)
         self.budget.take(unit.nbytes)
-        try:
-            unit.gather()
-        except BaseException:
-            self.let_go(unit)
-            raise
-        self.apart.add(unit.index)
+        with held_interrupts():  # gathered and owned by the block together, or neither
+            try:
+                unit.gather()
+            except BaseException:
+                self._let_go(unit)
+                raise
+            self.apart.add(unit.index)
 
     def let_go_apart(self, unit: Unit) -> None:
         """The end of engine.gathered's block: a unit it gathered goes back to SHARDED."""
-        self.apart.discard(unit.index)
-        self.let_go(unit)
+        with held_interrupts():
+            self.apart.discard(unit.index)
+            self._let_go(unit)
 
     def _abandon(self, unit: Unit) -> None:
         self.prefetched.remove(unit)
@@ -310,6 +331,10 @@ class Prefetcher:
         """GATHERED or FETCHING -> SHARDED and its bytes back, even when a read ahead failed
         (the unit is SHARDED then too: its error is raised after the bookkeeping), or when a
         gather failed before the unit left SHARDED."""
+        with held_interrupts():
+            self._let_go(unit)
+
+    def _let_go(self, unit: Unit) -> None:
         try:
             if unit.state is UnitState.GATHERED:
                 unit.release()

@@ -25,6 +25,7 @@ from typing import IO, Any, Iterator, NamedTuple
 import torch
 
 from zero_offload.engine.model.weights_files import refused_pickle
+from zero_offload.interrupts import held_interrupts
 from zero_offload.io import checksum
 
 FORMAT = 2  # 2: whole-file checksums (manifest "checksums"); 1 is still read, verified per tensor
@@ -54,8 +55,32 @@ def writing(path: str) -> Iterator[None]:
         cause = _os_error(exc)
         if cause is None:
             raise
-        text = os.strerror(cause.errno) if cause.errno else str(cause)
-        raise CheckpointError(f"could not write {path}: {text}") from exc
+        raise os_failure(cause, path) from exc
+
+
+def os_failure(exc: OSError, path: str, doing: str = "write") -> CheckpointError:
+    """One line for a save's OSError: the file (the error's own, else `path`), the OS cause, and
+    the drive it is on (its mount point and free bytes), as a full or read-only drive is the
+    usual cause."""
+    target = exc.filename if isinstance(exc.filename, str) else path
+    text = os.strerror(exc.errno) if exc.errno else (str(exc) or type(exc).__name__)
+    return CheckpointError(f"could not {doing} {target}: {text} ({drive_of(target)})")
+
+
+def drive_of(path: str) -> str:
+    """'on the drive mounted at M, N bytes free' for the file system holding `path` (or the
+    nearest folder above it that exists)."""
+    at = os.path.abspath(path)
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    mount = at
+    while not os.path.ismount(mount) and os.path.dirname(mount) != mount:
+        mount = os.path.dirname(mount)
+    try:
+        free = f", {shutil.disk_usage(at).free:,} bytes free"
+    except OSError:
+        free = ""
+    return f"on the drive mounted at {mount}{free}"
 
 
 def _os_error(exc: BaseException | None) -> OSError | None:
@@ -221,10 +246,16 @@ class _Summing:
 
     def __init__(self, f: Any, total: checksum.FileChecksum) -> None:
         self.f, self.total = f, total
+        self.interrupt: BaseException | None = None  # torch's writer turns it into "unexpected pos"
 
     def write(self, data: Any) -> int:
-        self.total.update(data)
-        return self.f.write(data)
+        try:
+            self.total.update(data)
+            return self.f.write(data)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.interrupt = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -237,7 +268,14 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str) -> Written:
     saved = {k: saved_form(k, v) for k, v in tensors.items()}  # described as written
     total = checksum.FileChecksum()
     with durable(path) as f:
-        torch.save(saved, _Summing(f, total))
+        out = _Summing(f, total)
+        try:
+            with held_interrupts():  # a Ctrl-C raised inside torch's writer became "unexpected pos"
+                torch.save(saved, out)
+        except Exception:
+            if out.interrupt is not None:  # raised by a second Ctrl-C there: it stays a Ctrl-C
+                raise out.interrupt from None
+            raise
     return Written({k: describe(v) for k, v in saved.items()}, total.digest())
 
 

@@ -36,14 +36,14 @@ def save(rt: Runtime, model: ModelView, state: TrainingState, config: Config, pa
     path = _checked_path(path)
     tmp, rank = path + ".tmp", comm.rank()
     client: list[bytes | None] = [None]
-    agree(attempt(_check_steps, rt, state) or attempt(_check_target, path)
+    agree(attempt(_check_steps, rt, state) or _attempt(_check_target, path, path)
           or (attempt(_serialize_client, client_state, client) if rank == 0 else None), "will not save there")
     try:
         token = secrets.token_hex(8) if rank == 0 else None
-        agree(attempt(_make_tmp, tmp, token) if rank == 0 else None, "could not start the checkpoint")
+        agree(_attempt(_make_tmp, tmp, tmp, token) if rank == 0 else None, "could not start the checkpoint")
         token = comm.gather_objects(token)[0]
-        agree(attempt(_write_rank, rt, model, tmp, token), "could not write its part of the checkpoint")
-        agree(attempt(_finish, rt, model, state, config, tmp, path, client[0]) if rank == 0 else None,
+        agree(_attempt(_write_rank, tmp, rt, model, tmp, token), "could not write its part of the checkpoint")
+        agree(_attempt(_finish, tmp, rt, model, state, config, tmp, path, client[0]) if rank == 0 else None,
               "could not finish the checkpoint")
     except BaseException:
         # Every rank has agreed on the failure (or this one was interrupted): the half-written
@@ -52,6 +52,14 @@ def save(rt: Runtime, model: ModelView, state: TrainingState, config: Config, pa
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _attempt(fn: Any, where: str, *args: Any) -> Exception | None:
+    """attempt(fn, *args), a bare OSError (a read-only or full drive, outside the durable
+    writer: making `<path>.tmp`, the swap's renames) made the CheckpointError that names its
+    file and drive (`where` when the error names none)."""
+    err = attempt(fn, *args)
+    return files.os_failure(err, where) if isinstance(err, OSError) else err
 
 
 # ---- before anything is written ---------------------------------------------------------------

@@ -14,6 +14,7 @@ the step: they overlap the next forward.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import warnings
@@ -23,6 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from zero_offload.engine.step.staging_ring import ALIGN_ELEMENTS, Region, StagingRing, span
+from zero_offload.interrupts import forced_count, held_interrupts
 from zero_offload.io.buffers import aligned_tensor
 from zero_offload.optim.adamw import ADAMW
 # AdamW's kernels and their scalars live with the optimizer (optim/adamw_kernels.py); the engine
@@ -177,8 +179,10 @@ class StateAccess:
 
     def flush(self, *, after_error: bool = False) -> int:
         """Finish every transfer in flight and forget what the ring holds; return the bytes that
-        were read ahead and never stepped."""
-        return 0 if self._ring is None else self._ring.flush(after_error=after_error)
+        were read ahead and never stepped. One transaction (interrupts held): a flush split by a
+        Ctrl-C left the ring FLUSHING for good, and the next step waited for ever for its reads."""
+        with held_interrupts():
+            return 0 if self._ring is None else self._ring.flush(after_error=after_error)
 
     def close(self, *, after_error: bool = False) -> None:
         if self._ring is not None:
@@ -202,12 +206,15 @@ class StepPipeline:
         self.on_done = on_done
         self.done: list[Job] = []
         self._error: BaseException | None = None
-        # A SimpleQueue's put is one C call: submit() runs in backward's gradient hooks, where
-        # every interpreted line is paid with caches the compute has just flushed. Completion
-        # is counted apart (submitted by the one submitting thread, finished under _idle).
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        # submit() runs in backward's gradient hooks, where every interpreted line is paid with
+        # caches the compute has just flushed: a job is submitted by one C call, its append to
+        # `_jobs`, so a Ctrl-C lands before or after it, never between a count and the job (that
+        # left drain() waiting for a job that never came). `_queue` only wakes the worker; a
+        # wake-up an interrupt kept from being sent is sent by the next wait (_wait_until).
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._queue: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
-        self._submitted = 0
+        self._running = False  # the worker is stepping a job it took from `_jobs` (under _idle)
         self._finished = 0
         self._handed = 0  # jobs of `done` handed to drain's `each` so far
         # The first job of the last drain whose hand-over failed or was interrupted: its state
@@ -231,16 +238,32 @@ class StepPipeline:
         if self._worker is None:
             self._run_noting(job)
         else:
-            self._submitted += 1
-            self._queue.put(job)
+            self._jobs.append(job)  # submitted (see __init__)
+            self._queue.put(True)
+
+    @property
+    def _submitted(self) -> int:
+        """Jobs submitted so far: finished, being stepped, or waiting."""
+        return self._finished + self._running + len(self._jobs)
+
+    def _busy(self) -> bool:
+        """Whether a submitted job is not finished yet (under _idle)."""
+        return self._running or bool(self._jobs)
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Wait on _idle (held) until `done()`; the worker is woken first, in case an interrupt
+        came between a job's submission and its wake-up."""
+        if self._jobs:
+            self._queue.put(True)
+        while not done():
+            self._idle.wait()
 
     def _wait_idle(self) -> None:
         """Until the worker has finished every job submitted so far."""
         if self._worker is None:
             return
         with self._idle:
-            while self._finished < self._submitted:
-                self._idle.wait()
+            self._wait_until(lambda: not self._busy())
 
     def prefetch(self) -> None:
         """Start reading the coming step's state ahead, in the predicted order (after a step,
@@ -311,14 +334,17 @@ class StepPipeline:
         An interrupt (Ctrl-C) while waiting does not stop the worker: the shards still queued have
         their gradients, so the step is finished on every one of them and handed over, and the
         interrupt is held for drain() to raise once it is, so that every shard ends the step at
-        the same count. A second interrupt stops the worker as a failure does."""
+        the same count. A second interrupt stops the worker as a failure does, and so does the
+        first one to reach this wait when it is a second Ctrl-C that ended the Engine's hold
+        (interrupts.forced_count: the first was held, never raised here)."""
         self._handed, self.failed_hand_over, self._interrupt, self._failure = 0, None, None, None
+        forced = forced_count()
         while True:
             try:
                 self._take_all(each)
                 break
             except BaseException as exc:  # an interrupt while waiting: `each`'s own are caught
-                if self._interrupt is None and self._failure is None:
+                if self._interrupt is None and self._failure is None and forced_count() == forced:
                     self._interrupt = exc  # the first: finish the step, then raise it
                     continue
                 self._failure = self._failure or exc
@@ -333,11 +359,11 @@ class StepPipeline:
         """Hand jobs to `each` as they finish, until every submitted one has or one failed."""
         while True:
             with self._idle:
-                while (self._handed == len(self.done) and self._finished < self._submitted
-                       and self._error is None):
-                    self._idle.wait()
+                if self._worker is not None:
+                    self._wait_until(lambda: self._handed < len(self.done) or not self._busy()
+                                     or self._error is not None)
                 end = len(self.done)
-                last = self._finished >= self._submitted or self._error is not None
+                last = not self._busy() or self._error is not None
             self._failure = self._hand_over(end, each, self._failure)
             if last:
                 return
@@ -377,19 +403,30 @@ class StepPipeline:
             raise RuntimeError(f"the optimizer step failed: {err}") from err
 
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                if self._error is None:
-                    self._run(job)
-            except BaseException as exc:  # surfaced by drain() on the caller's thread
-                with self._idle:
-                    if not isinstance(exc, Exception):
-                        self.unsure = self.unsure or job.key
-                    self._error = self._error or exc  # the first error (a hand-over may have failed first)
-            finally:
-                with self._idle:
-                    self._finished += 1
-                    self._idle.notify_all()
+        while self._queue.get() is not None:  # a wake-up (None: close)
+            while (job := self._take()) is not None:
+                try:
+                    if self._error is None:
+                        self._run(job)
+                except BaseException as exc:  # surfaced by drain() on the caller's thread
+                    with self._idle:
+                        if not isinstance(exc, Exception):
+                            self.unsure = self.unsure or job.key
+                        self._error = self._error or exc  # the first error (a hand-over may have failed first)
+                finally:
+                    with self._idle:
+                        self._running = False
+                        self._finished += 1
+                        self._idle.notify_all()
+
+    def _take(self) -> Job | None:
+        """The worker's next job, marked as being stepped in the same locked block (so a wait
+        never sees it neither queued nor running); None when there is none."""
+        with self._idle:
+            if not self._jobs:
+                return None
+            self._running = True
+            return self._jobs.popleft()
 
     def _step(self, job: Job, tensors: tuple[torch.Tensor, ...], out: torch.Tensor | None) -> None:
         """The kernel over the job: its runs of parameter groups, if it has several."""
