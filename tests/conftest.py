@@ -21,9 +21,9 @@ NATIVE = {"test_adam_fidelity", "test_aio", "test_cpu_adam", "test_emulated_avx5
           "test_native_loader", "test_nonfinite_step", "test_swap"}
 # Modules whose tests took more than SLOW_SECONDS together (pytest --durations=0, session 17,
 # 2-core machine): what `make test-fast` leaves out beside dist and hf.
-SLOW_SECONDS = 15
-SLOW = {"test_emulated_avx512", "test_interrupt_sweep", "test_interrupts", "test_lifecycle_faults",
-        "test_step_faults", "test_bench_step", "test_step_ablation", "test_gpu_check", "test_stage3_graph"}
+SLOW_SECONDS = 10
+SLOW = {"test_engine_matrix", "test_emulated_avx512", "test_interrupt_sweep", "test_lifecycle_faults",
+        "test_native_loader", "test_stage3_matrix"}
 
 _MARKERS = {"dist": "starts gloo ranks or a launcher", "hf": "uses transformers", "native": "tests the native library",
             "slow": f"its module takes over {SLOW_SECONDS} s"}
