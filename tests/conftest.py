@@ -14,8 +14,10 @@ from __future__ import annotations
 import inspect
 from functools import lru_cache
 from types import ModuleType
+from typing import Iterator
 
 import pytest
+import torch
 
 NATIVE = {"test_adam_fidelity", "test_aio", "test_cpu_adam", "test_emulated_avx512", "test_flat_adam",
           "test_native_loader", "test_nonfinite_step", "test_swap"}
@@ -64,3 +66,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.native)
         if name in SLOW:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module of tiny models (`pytestmark = pytest.mark.usefixtures(
+    "one_thread")`): their ops are far too small to share, and on a busy machine threads that wait
+    on each other cost seconds per step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

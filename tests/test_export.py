@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -33,12 +33,7 @@ from zero_offload.hf import ZeroOffloadTrainer, save_pretrained  # noqa: E402
 UNITS = {"unit_modules": ["LlamaDecoderLayer"]}  # the default unit choice for PEFT is fixed elsewhere
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def stage3_nvme(tmp: str, name: str = "nvme") -> dict[str, Any]:

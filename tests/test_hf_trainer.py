@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -48,14 +48,7 @@ CONFIGS = {"stage0": lambda tmp, name="nvme": {"stage": 0}, "stage1-nvme": stage
            "stage2-cpu": lambda tmp, name="nvme": STAGE2_CPU, "stage3-nvme": stage3_nvme}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: the tiny model's ops are far too small to share, and on a busy
-    machine threads that wait on each other cost seconds per step."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ with Trainer's own parameter groups, as bitsandbytes' 32-bit Lion that `optim="l
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import pytest
 import torch
@@ -23,12 +23,7 @@ from zero_offload.hf import ZeroOffloadTrainer  # noqa: E402
 TRAIN = Tokens(8, seed=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class _Lion(torch.optim.Optimizer):

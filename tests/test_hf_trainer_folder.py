@@ -10,7 +10,7 @@ TrainingArguments. Both train as the built-model path does; eval, save and resum
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,12 +26,7 @@ from zero_offload.hf import ZeroOffloadTrainer, from_pretrained  # noqa: E402
 TRAIN, EVAL = Tokens(8, seed=0), Tokens(4, seed=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _folder(tmp: Any) -> str:
