@@ -277,3 +277,30 @@ def test_generate_after_training_a_transformers_model(tmp_path: Path) -> None:
         outside = engine.module.generate(x[:1, :4], **gen)
         assert inside.tolist() == want.tolist() and outside.tolist() == want.tolist()
     engine.close()
+
+
+def test_a_weight_taken_inside_gathered_outlives_the_block(tmp_path: Path) -> None:
+    """`w = p.detach()` inside the block shared the unit's flat buffer, freed at the block's end:
+    `w.sum()` afterwards read freed memory and crashed the process (a segmentation fault). The
+    tensor keeps its values now, as in eager torch, and the unit trains on from its shards."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    ref = copy.deepcopy(model)
+    engine = zero_offload.initialize(model, _config(3, "cpu", tmp_path))
+    with engine.gathered():
+        w = engine.module.out.weight.detach()
+        view = engine.module.blocks[0].lin.weight[0]
+        want_w, want_view = w.clone(), view.detach().clone()
+    torch.testing.assert_close(w, want_w)  # read after the block: its own storage now
+    torch.testing.assert_close(view.detach(), want_view)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for i in range(2):
+        engine.backward(engine(*_tiny_batch(i)))
+        engine.step()
+        ref(*_tiny_batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(w, want_w)  # unlike torch's, it does not follow the steps (docs/limits.md)
+    _assert_close(engine.consolidated_state_dict(), ref.state_dict())
+    _assert_budget_matches(engine)
+    engine.close()

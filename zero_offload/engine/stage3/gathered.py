@@ -20,7 +20,7 @@ from torch import nn
 
 from zero_offload import comm
 from zero_offload.engine.stage3.prefetch import Prefetcher
-from zero_offload.engine.stage3.unit import Unit
+from zero_offload.engine.stage3.unit import Unit, UnitState
 from zero_offload.engine.step.shard_optimizer import ShardOptimizer
 
 
@@ -95,6 +95,8 @@ def gathered(rt: Gathers, params: list[nn.Parameter], modify: bool) -> Iterator[
     finally:
         rt.end_gathered()
         for u in taken:
+            if u.state is UnitState.GATHERED:
+                u.keep_aliases()  # a weight the block handed out outlives it (Unit.keep_aliases)
             rt.prefetcher.let_go_apart(u)
 
 

@@ -249,6 +249,20 @@ class Unit:
             view.copy_(p.detach())
             p.data = view
 
+    def keep_aliases(self) -> None:
+        """A tensor taken from a gathered parameter (`p.detach()`, `p.data`, a view) shares its
+        group's flat buffer, whose storage release frees: reading it afterwards read freed memory
+        and crashed the process. Where such a tensor exists (the storage has more users than the
+        flat buffer and its parameters), the group moves on to a new flat buffer and the old
+        storage is left to those tensors, values and all, as eager torch keeps a weight one holds.
+        Only outside a pass: there, autograd's saved tensors are users too, and must see the re-gather."""
+        for g in self.groups:
+            storage = g.flat.untyped_storage()
+            if torch._C._storage_Use_Count(storage._cdata) > 2 + len(g.params):  # + `storage` itself
+                fresh = torch.empty(g.layout.padded_numel, dtype=g.flat.dtype, device=g.flat.device)
+                fresh.untyped_storage().resize_(0)
+                g.flat = fresh
+
     def _free_storage(self) -> None:
         self.empty_params()
         for g in self.groups:
