@@ -188,3 +188,21 @@ def test_readme_has_the_two_commands_ci_runs() -> None:
     assert "make demo" in commands and "make test" in commands
     ci = [ln.strip() for ln in _read(".ci/run").splitlines() if ln.strip() and not ln.startswith("#")]
     assert ci[-1] == "make test", f".ci/run ends with {ci[-1]!r}, not the README's test command"
+
+
+_PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|cpp|h|md|json|txt|toml))`")
+# Where a path the docs name may be written from: the repository root, the package, its engine.
+_BASES = ("", "zero_offload", os.path.join("zero_offload", "engine"))
+_OTHER_PROJECTS = ("deepspeed/", "torch/", "transformers/", "accelerate/", "peft/")  # their files, not ours
+
+
+@pytest.mark.parametrize("doc", sorted(["README.md", *(os.path.join("docs", f) for f in os.listdir(
+    os.path.join(ROOT, "docs")) if f.endswith(".md"))]))
+def test_every_path_a_doc_names_exists(doc: str) -> None:
+    """A file path in backquotes (`engine/stage3/prefetch.py`, `tests/test_zoo.py`) names a file
+    of this repository, written from its root, the package or the engine: docs that name moved
+    or renamed files were found stale in review."""
+    missing = sorted({p for p in _PATH.findall(_read(doc))
+                      if not p.startswith(_OTHER_PROJECTS)
+                      and not any(os.path.exists(os.path.join(ROOT, base, p)) for base in _BASES)})
+    assert not missing, f"{doc} names files that do not exist: {missing}"
