@@ -60,6 +60,7 @@ from zero_offload.engine.stage3.unit import FlatGroup, GatherBuffers, PassStateE
 from zero_offload.engine.stage3.policy import Plan, RootCheck, kept_in_module, plan_units
 from zero_offload.io.buffers import ALIGN_BYTES, aligned_tensor
 from zero_offload.optim.registry import spec_for
+from zero_offload.interrupts import held_interrupts
 from zero_offload.store import make_store
 from zero_offload.tiers import CPU, tier
 from zero_offload.trace import tracer
@@ -521,9 +522,15 @@ class Stage3Runtime(RuntimeBase):
         renorm, an EMA update of a frozen copy) reach this rank's shards before the unit can be
         released, as eager torch keeps them: the compute-copy shard, and for trainable parameters
         the master's changed elements (moments kept, as after `gathered(modify=True)`). A write
-        that changes a trainable value in backward, after its shard may have been stepped, is refused."""
-        if u.state is not UnitState.GATHERED:
+        that changes a trainable value in backward, after its shard may have been stepped, is refused.
+        One transaction (interrupts held): a Ctrl-C between the master and the compute copy would
+        leave the two apart."""
+        if u.state is not UnitState.GATHERED or not any(u.edited_names(g) for g in u.groups):
             return
+        with held_interrupts():
+            self._write_pass_edits(u)
+
+    def _write_pass_edits(self, u: Unit) -> None:
         for g in u.groups:
             names = u.edited_names(g)
             if not names:
