@@ -83,6 +83,8 @@ def test_training_equals_a_plain_trainer_run_and_saves_for_from_pretrained(where
     history, weights = plain_run(max_grad_norm)
     ours = trainer.state.log_history
     assert trainer.state.global_step == 8  # 2 epochs x 4 updates (3 of two micro-batches, 1 of one)
+    # without clipping the CPU step ran during backward, and the logged norms below come from it
+    assert trainer.engine.runtime.shard_optimizer.eager == (max_grad_norm == 0)
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         mine, theirs = logged(ours, key), logged(history, key)
         assert len(mine) == len(theirs) > 0, key
@@ -254,10 +256,11 @@ def test_a_zero_offload_config_takes_its_training_values_from_training_arguments
     assert (c.optimizer.lr, c.gradient_accumulation_steps, c.precision.dtype, c.clip_grad_norm) == (3e-4, 4, "bf16", 1.0)
     with pytest.raises(ConfigError, match=r"optimizer.lr=0.001 vs TrainingArguments learning_rate=0.0003"):
         resolve({"stage": 2, "optimizer": {"lr": 1e-3}}, args)
-    # Trainer: max_grad_norm <= 0 is no clipping, its norm still logged (the deferred step forms it)
+    # Trainer: max_grad_norm <= 0 is no clipping, its norm still logged: the overlapped step stays
+    # on and forms it as the gradients arrive (it was turned off so that the deferred step would)
     for no_clip in (0.0, -1.0):
         c = resolve({"stage": 2}, training_args(str(tmp_path), max_grad_norm=no_clip))
-        assert (c.clip_grad_norm, c.overlap_step) == (0.0, False)
+        assert (c.clip_grad_norm, c.overlap_step, c.track_grad_norm) == (0.0, True, True)
     assert resolve({"stage": 2}, training_args(str(tmp_path))).overlap_step
     with pytest.raises(ConfigError, match=r"^TrainingArguments.max_grad_norm = None: Trainer needs a number "
                                           r"\(max_grad_norm=0 for no clipping\)$"):

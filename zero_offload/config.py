@@ -341,6 +341,7 @@ class Config(_Fields):
     clip_grad_norm: float = 0.0  # 0 disables clipping
     bucket_bytes: int = 32 * MiB
     overlap_step: bool = True
+    track_grad_norm: bool = False
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
@@ -362,6 +363,7 @@ class Config(_Fields):
         _check_float("clip_grad_norm", self.clip_grad_norm, 0.0)
         _check_int("bucket_bytes", self.bucket_bytes, 1, MAX_BYTES)
         _check_type("overlap_step", self.overlap_step, bool)
+        _check_type("track_grad_norm", self.track_grad_norm, bool)
         _check_combination(self)
 
     def _normalize_paths(self) -> None:

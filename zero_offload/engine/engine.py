@@ -434,8 +434,9 @@ class Engine:
     def grad_norm(self) -> float | None:
         """The global L2 norm of the last step's gradients (unscaled, before clipping, over every
         rank; inf after an fp16 overflow), where the step computes it: with clip_grad_norm or
-        fp16 loss scaling, which defer the CPU Adam until it is known. None otherwise: the
-        overlapped step updates each shard as its gradient arrives and never needs the total."""
+        fp16 loss scaling, which defer the CPU Adam until it is known, and with track_grad_norm.
+        None otherwise: the overlapped step updates each shard as its gradient arrives and never
+        needs the total."""
         return self.runtime.shard_optimizer.last_grad_norm
 
     @property

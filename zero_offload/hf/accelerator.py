@@ -144,8 +144,8 @@ class ZeroOffloadAccelerator(Accelerator):
                         norm_type: float = 2) -> torch.Tensor | None:
         """The global norm (before clipping) of the averaged gradients of the step the engine just
         applied; the engine clipped them to config.clip_grad_norm = max_grad_norm. Trainer asks
-        with max_norm=inf when max_grad_norm is 0: config.py then turns the overlapped step off,
-        so the engine forms the norm anyway (None only for an engine configured otherwise)."""
+        with max_norm=inf when max_grad_norm is 0: config.py then sets track_grad_norm, so the
+        overlapped step forms the norm too (None only for an engine configured otherwise)."""
         if norm_type != 2:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): the engine clips by the L2 norm")
         norm = self._engine().grad_norm

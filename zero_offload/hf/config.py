@@ -223,17 +223,15 @@ def _unflat(flat: Mapping[str, Any]) -> dict[str, Any]:
 def _with_training_values(config: Config, args: Any) -> Config:
     """The config with TrainingArguments' training values (every conflict was refused before).
     Trainer logs the global gradient norm of every step, clipping or not (clip_grad_norm_ with
-    max_norm=inf when max_grad_norm is 0); the engine forms it only in the deferred step, so
-    without clipping the overlapped step is turned off (overlap_step=False): the same update,
-    the Adam pass after backward instead of beside it."""
+    max_norm=inf when max_grad_norm is 0): without clipping the overlapped step forms it as the
+    gradients arrive (track_grad_norm), so the Adam pass stays beside backward."""
     v = {k: value for k, (value, _) in training_values(args).items()}
     optimizer = dataclasses.replace(config.optimizer, name=v["optimizer.name"], lr=v["optimizer.lr"], betas=v["optimizer.betas"],
                                     eps=v["optimizer.eps"], weight_decay=v["optimizer.weight_decay"])
     precision = dataclasses.replace(config.precision, dtype=v["precision.dtype"])
     return config.replace(optimizer=optimizer, precision=precision,
                           gradient_accumulation_steps=v["gradient_accumulation_steps"],
-                          clip_grad_norm=v["clip_grad_norm"],
-                          overlap_step=config.overlap_step and v["clip_grad_norm"] > 0)
+                          clip_grad_norm=v["clip_grad_norm"], track_grad_norm=True)
 
 
 def _read(path: str) -> dict[str, Any]:

@@ -157,6 +157,7 @@ class ShardOptimizer:
         self._arrived: list[str] = []
         self._held: set[str] = set()
         self._sq_norm = 0.0
+        self._norms: list[torch.Tensor] = []  # the overlapped step's shard norms (config.track_grad_norm)
         self.eager = not holds
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
@@ -221,6 +222,8 @@ class ShardOptimizer:
         if key in self._held or key in self._arrived:
             raise RuntimeError(f"ShardOptimizer.grad_ready({key!r}) called twice in one step")
         missing = _checked_ranges(key, missing, self.numel[key]) if missing else ()
+        if self.eager and self.config.track_grad_norm:  # before the kernel may read it on the worker
+            self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         grad, ready = self._to_kernel(grad.reshape(-1), owned)
         self._arrived.append(key)
         if self.eager:
@@ -257,6 +260,8 @@ class ShardOptimizer:
         self.steps_apart = None
         try:  # a failed step must not leave this step's arrivals behind for the next one
             applied = self.eager or self._submit_held()
+            if self.eager and self.config.track_grad_norm:
+                self.last_grad_norm = self._eager_norm()
             if applied:
                 self.pipeline.drain(self._completed, defer_interrupt=True)
         except Exception as exc:
@@ -348,6 +353,14 @@ class ShardOptimizer:
             self.lag[sub] = lag
         else:
             self.lag.pop(sub, None)
+
+    def _eager_norm(self) -> float:
+        """The global L2 norm of this step's gradients, from the shard norms taken as they arrived
+        (as the deferred step forms it: float64 sums of squares, one all-reduce)."""
+        total = torch.tensor([sum(float(n) ** 2 for n in self._norms)], dtype=torch.float64)
+        if not self.replicated:
+            comm.all_reduce_(total)
+        return math.sqrt(float(total[0])) if math.isfinite(float(total[0])) else math.inf
 
     def _submit_held(self) -> bool:
         """Deferred mode: agree on the global norm, then step the held gradients (False: overflow)."""
@@ -457,12 +470,14 @@ class ShardOptimizer:
         if self._arrived:
             self.order = list(self._arrived) + [k for k in self.order if k not in self._arrived]
         self._arrived, self._held, self._sq_norm, self._missing = [], set(), 0.0, {}
+        self._norms = []
 
     def zero_grads(self) -> None:
         """Forget gradients handed in since the last step (their buffers stay for reuse)."""
         if self.eager and self._arrived:
             raise RuntimeError("ShardOptimizer.zero_grads: eager shards were already stepped; call finish_step")
         self._arrived, self._held, self._sq_norm, self._missing = [], set(), 0.0, {}
+        self._norms = []
 
     def _scalars(self, group: int, step: int, grad_scale: float) -> Scalars:
         g = self.optimizer.param_groups[group]
