@@ -342,6 +342,7 @@ class Config(_Fields):
     bucket_bytes: int = 32 * MiB
     overlap_step: bool = True
     track_grad_norm: bool = False
+    speculative_step_bytes: int = 0
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
@@ -364,6 +365,7 @@ class Config(_Fields):
         _check_int("bucket_bytes", self.bucket_bytes, 1, MAX_BYTES)
         _check_type("overlap_step", self.overlap_step, bool)
         _check_type("track_grad_norm", self.track_grad_norm, bool)
+        _check_int("speculative_step_bytes", self.speculative_step_bytes, 0, MAX_BYTES)
         _check_combination(self)
 
     def _normalize_paths(self) -> None:

@@ -217,7 +217,8 @@ class RuntimeBase:
                 "NVMe slot rounding (gradients)": grads_slot_rounding(
                     grad_bytes, sum(held.values()) + sum(summed.values()), so.grad_store.addressable),
                 "NVMe slot rounding (optimizer state)": so.slot_rounding_bytes(),
-                "staging buffers": so.bytes_retained().get("staging", 0)}
+                "staging buffers": so.bytes_retained().get("staging", 0),
+                "speculative step snapshots": so.snapshot_bytes}
 
 
 def pieces_of(names: Sequence[str], layout: "FlatLayout", rank: int) -> list[tuple[str, int, int, int]]:

@@ -62,6 +62,9 @@ class Job:
     # count (param_groups.py, and parameters that skipped steps for want of a gradient); the
     # elements in no run (parameters without a gradient in this step) are not stepped.
     runs: tuple[tuple[int, int, Scalars], ...] | None = None
+    # A speculative job (shard_optimizer's under clipping): its state parts are copied here, back
+    # to back, before it is stepped, so that a step the clip coefficient changes can be redone.
+    snapshot: torch.Tensor | None = None
 
     def segments(self) -> list[tuple[int, int, Scalars]]:
         """(start, end, scalars) of each run stepped, in order."""
@@ -449,6 +452,9 @@ class StepPipeline:
 
     def _run(self, job: Job) -> None:
         (master, *others), staged = self.access.acquire(job.key, job.numel)
+        if job.snapshot is not None:
+            for part, saved in zip((master, *others), job.snapshot.view(1 + len(others), -1).unbind(0)):
+                saved.copy_(part)
         if job.ready is not None:
             job.ready.wait()
         grad = job.grad() if callable(job.grad) else job.grad

@@ -159,6 +159,15 @@ class ShardOptimizer:
         self._sq_norm = 0.0
         self._norms: list[torch.Tensor] = []  # the overlapped step's shard norms (config.track_grad_norm)
         self.eager = not holds
+        # Under clipping (no loss scale), shards may be stepped during backward as if the clip
+        # coefficient were 1, their state snapshotted first: kept when it is 1, redone from the
+        # snapshots with it when it is not (speculate). Snapshot buffers by sub-shard, kept for reuse.
+        self.speculation_bytes = config.speculative_step_bytes if (
+            config.overlap_step and config.clip_grad_norm > 0 and not self.scaler.enabled) else 0
+        self._snapshots: dict[str, torch.Tensor] = {}
+        self._speculated: list[str] = []
+        self.speculated_steps = 0  # steps whose speculative updates were kept (statistics, benchmarks)
+        self.rollbacks = 0  # steps that redid them with the clip coefficient
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self.steps_apart: str | None = None  # after a failed step: how its shards stand apart (finish_step)
@@ -241,6 +250,42 @@ class ShardOptimizer:
                 self.grad_store.allocate(key, grad.numel(), grad.dtype)
             self.grad_store.write(key, grad).wait()
         self._held.add(key)
+        if self._can_speculate(key):
+            self._speculated.append(key)
+            self._submit(key, self._held_loader(key), 1.0, missing=missing, speculative=True)
+
+    def _can_speculate(self, key: str) -> bool:
+        """Whether `key` may be stepped now as if unclipped: its snapshots fit speculation_bytes."""
+        if not self.speculation_bytes:
+            return False
+        need = sum(4 * self.spec.state_numel(p.numel) for p in self.subshards[key] if p.key not in self._snapshots)
+        return self.snapshot_bytes + need <= self.speculation_bytes
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host bytes the speculative step's snapshots hold (they are kept for the next steps)."""
+        return sum(4 * t.numel() for t in self._snapshots.values())
+
+    def _snapshot(self, sub: SubShard) -> torch.Tensor:
+        if sub.key not in self._snapshots:
+            self._snapshots[sub.key] = aligned_tensor(self.spec.state_numel(sub.numel), torch.float32)
+        return self._snapshots[sub.key]
+
+    def _roll_back(self, *, restore_copies: bool = False) -> None:
+        """The speculative jobs are finished without handing them over (no step count moves), and
+        their shards' state is put back from the snapshots: the clip coefficient is not 1, and
+        the deferred submission steps them from where they were; or the backward failed, and
+        with `restore_copies` the compute copies streamed during it are put back too."""
+        self.pipeline.drain()
+        self._assembly.abandon()
+        self.pipeline.quiesce(overwriting=True)
+        for key in self._speculated:
+            for p in self.subshards[key]:
+                self.store.write(p.key, self._snapshots[p.key]).wait()
+                self.access.rewritten(p.key)
+            if restore_copies and self.stream_updates and self.on_updated is not None:
+                self.on_updated(key, self.master(key), True)
+        self.rollbacks += 1
 
     def finish_step(self, *, defer_interrupt: bool = False) -> bool:
         """Complete the step of every shard that got a gradient; False if it was skipped (overflow).
@@ -312,6 +357,8 @@ class ShardOptimizer:
         and handed over as after a failed step (their state has moved on: their step counts and
         compute copies follow); gradients held for a deferred step are forgotten."""
         try:
+            if self._speculated:  # stepped as if unclipped: back to where they were, as every other shard
+                self._roll_back(restore_copies=True)
             self.pipeline.drain(self._completed)
         finally:
             self._end_step()
@@ -376,22 +423,33 @@ class ShardOptimizer:
             self.skipped_steps += 1
             return False
         factor = clip_coefficient(norm, self.config.clip_grad_norm) / scale
+        ahead = set(self._speculated)
+        if ahead and factor != 1.0:
+            self._roll_back()
+            ahead = set()
+        elif ahead:
+            self.speculated_steps += 1
         for key in self._arrived:
-            self._submit(key, self._held_loader(key), factor, missing=self._missing.get(key, ()))
+            if key not in ahead:  # a speculated shard stepped with factor 1 already: exactly this step
+                self._submit(key, self._held_loader(key), factor, missing=self._missing.get(key, ()))
         return True
 
     def _submit(self, key: str, grad: torch.Tensor | Callable[[], torch.Tensor], grad_scale: float,
-                ready: Any = None, missing: Ranges = ()) -> None:
-        """One job per sub-shard of `key`; a split shard's sub-shards write into one assembled buffer."""
+                ready: Any = None, missing: Ranges = (), speculative: bool = False) -> None:
+        """One job per sub-shard of `key`; a split shard's sub-shards write into one assembled
+        buffer. A speculative job snapshots its state first (see _roll_back)."""
         subs = self.subshards[key]
         if len(subs) == 1:
-            self.pipeline.submit(self._job(subs[0], grad, grad_scale, ready, missing))
+            job = self._job(subs[0], grad, grad_scale, ready, missing)
+            job.snapshot = self._snapshot(subs[0]) if speculative else None
+            self.pipeline.submit(job)
             return
         full = self._assembly.begin(key, self.numel[key], len(subs), self.compute_dtype)
         load = _shared(grad)
         for p in subs:
-            self.pipeline.submit(self._job(p, _slicer(load, p.lo, p.hi), grad_scale, ready, missing,
-                                           into=full[p.lo:p.hi]))
+            job = self._job(p, _slicer(load, p.lo, p.hi), grad_scale, ready, missing, into=full[p.lo:p.hi])
+            job.snapshot = self._snapshot(p) if speculative else None
+            self.pipeline.submit(job)
 
     def _job(self, sub: SubShard, grad: torch.Tensor | Callable[[], torch.Tensor], grad_scale: float, ready: Any,
              missing: Ranges, into: torch.Tensor | None = None) -> Job:
@@ -470,12 +528,14 @@ class ShardOptimizer:
         if self._arrived:
             self.order = list(self._arrived) + [k for k in self.order if k not in self._arrived]
         self._arrived, self._held, self._sq_norm, self._missing = [], set(), 0.0, {}
-        self._norms = []
+        self._norms, self._speculated = [], []
 
     def zero_grads(self) -> None:
         """Forget gradients handed in since the last step (their buffers stay for reuse)."""
         if self.eager and self._arrived:
             raise RuntimeError("ShardOptimizer.zero_grads: eager shards were already stepped; call finish_step")
+        if self._speculated:
+            self._roll_back(restore_copies=True)
         self._arrived, self._held, self._sq_norm, self._missing = [], set(), 0.0, {}
         self._norms = []
 
