@@ -27,18 +27,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, TrainerCallback, TrainingArguments
 
+from _tokens import Tokens  # scripts/_tokens.py
 from zero_offload.hf import ZeroOffloadTrainer
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int, vocab: int) -> None:
-        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class Clock(TrainerCallback):

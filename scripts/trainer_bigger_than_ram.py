@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
+from _tokens import Tokens  # scripts/_tokens.py
 from zero_offload.hf import ZeroOffloadTrainer
 
 GB = 1e9
@@ -81,17 +82,6 @@ def write_folder(config: LlamaConfig, folder: str) -> int:
     return sum(s.numel() for s in shapes.values())
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int, vocab: int) -> None:
-        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 class StepClock(TrainerCallback):
     """Each optimizer step's wall time and the drive traffic since the last step."""
 
@@ -133,7 +123,7 @@ def main() -> None:
     clock = StepClock()
     zo = {"stage": 3, "tiers": {"params": "nvme", "optimizer": "nvme", "grads": "cpu"}, "nvme_paths": [nvme]}
     t0 = time.perf_counter()
-    trainer = ZeroOffloadTrainer(model=folder, args=args, train_dataset=Tokens(a.steps, a.seq, a.vocab),
+    trainer = ZeroOffloadTrainer(model=folder, args=args, train_dataset=Tokens(a.steps, a.seq, a.vocab, seed=1),
                                  zero_offload_config=zo, callbacks=[clock])
     setup = time.perf_counter() - t0
     on_drive = du(nvme)
