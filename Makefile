@@ -8,10 +8,11 @@ VPY := $(VENV)/bin/python
 # PyPI resolves the multi-GB CUDA build. transformers, peft, safetensors and accelerate are test
 # dependencies only (tests/test_zoo.py builds tiny models from their config classes; the package
 # never imports them), and so is simde-py (SIMDe's headers: tests/test_emulated_avx512.py runs
-# the AVX-512 kernel on hosts without AVX-512), pinned to the versions the zoo was written against; installed in the same
+# the AVX-512 kernel on hosts without AVX-512) and mypy (tests/test_types.py), pinned to the versions the zoo was written against; installed in the same
 # pip command as torch==2.13.0, so none of them can bring another torch.
 DEPS := torch==2.13.0 numpy psutil aiofiles pytest tqdm setuptools wheel \
-	transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 accelerate==1.15.0 simde-py==0.8.2.post1
+	transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 accelerate==1.15.0 simde-py==0.8.2.post1 \
+	mypy==2.4.1
 
 .PHONY: demo test test-fast native setup clean
 

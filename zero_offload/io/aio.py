@@ -8,6 +8,8 @@ comparison of docs/perf_io.md, so a second engine would add code without adding 
 """
 from __future__ import annotations
 
+from typing import Any
+
 from zero_offload import native
 from zero_offload.config import IO_BACKENDS
 from zero_offload.io.aiofiles_aio import AiofilesAIO
@@ -34,11 +36,11 @@ def open_backend(kind: str = "auto", *, threads: int = 4, queue_depth: int = 8,
     return cls(threads=threads, queue_depth=queue_depth, block_size=block_size)
 
 
-def _info() -> dict:
+def _info() -> dict[str, Any]:
     from zero_offload.io import checksum
 
     lib = native_lib()
-    out = {"auto_backend": resolve_kind("auto"), "checksum": checksum.algorithm()}
+    out: dict[str, Any] = {"auto_backend": resolve_kind("auto"), "checksum": checksum.algorithm()}
     if lib is not None:
         out["checksum_impl"] = lib.zo_checksum_impl().decode()
         out["io_uring_available"] = bool(lib.zo_aio_uring_available())

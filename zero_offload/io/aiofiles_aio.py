@@ -62,7 +62,7 @@ class AiofilesAIO(AIOBackend):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zo-aiofiles-loop", daemon=True)
         self._thread.start()
-        self._pending: set[concurrent.futures.Future] = set()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         # Like NativeAIO.__del__: a backend dropped without close() still stops its threads. A
         # finalizer rather than __del__ also runs at interpreter exit, while the loop thread can
         # still be joined. Requests are static methods, so in flight they never hold self: the
@@ -86,7 +86,7 @@ class AiofilesAIO(AIOBackend):
         try:
             path, extra = _reopen_spec(file, write)
         except OSError as exc:
-            raise io_error("write" if write else "read", file, offset, exc.errno) from None
+            raise io_error("write" if write else "read", file, offset, exc.errno or errno.EIO) from None
         tasks = [AiofilesAIO._chunk(pool, write, path, extra, file, offset + pos, addr + pos,
                                     min(chunk, length - pos), checksums, i)
                  for i, pos in enumerate(range(0, length, chunk))]
@@ -140,7 +140,7 @@ class AiofilesAIO(AIOBackend):
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: concurrent.futures.Executor,
-              pending: set[concurrent.futures.Future]) -> None:
+              pending: set[concurrent.futures.Future[Any]]) -> None:
     """close() or garbage collection, whichever comes first (weakref.finalize runs it once)."""
     concurrent.futures.wait(list(pending))  # never abandon a request mid-flight
     loop.call_soon_threadsafe(loop.stop)

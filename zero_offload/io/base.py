@@ -82,7 +82,7 @@ class IOFuture(ABC):
 class ThreadFuture(IOFuture):
     """A request running on a concurrent.futures pool (the aiofiles backend, bounced transfers)."""
 
-    def __init__(self, fut: "concurrent.futures.Future") -> None:
+    def __init__(self, fut: "concurrent.futures.Future[Any]") -> None:
         self._fut = fut
 
     def wait(self) -> None:

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from zero_offload.config import ALIGN_BYTES
+from zero_offload.config import ALIGN_BYTES as ALIGN_BYTES  # re-exported: the O_DIRECT page
 
 HUGE_PAGE = 2 << 20
 

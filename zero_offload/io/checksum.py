@@ -22,10 +22,10 @@ _U32 = ctypes.c_uint32
 
 
 _lock = threading.Lock()
-_loaded: list[ctypes._CFuncPtr | None] = []  # [the function] once its signature is declared
+_loaded: list[Any] = []  # [the function] once its signature is declared
 
 
-def _native_fn() -> ctypes._CFuncPtr | None:
+def _native_fn() -> Any:
     """zo_checksum, published only once its argument and result types are set. The aiofiles
     backend's threads make the first calls together: one that used the function before the
     types were set passed the address as a C int and read the result as a signed one, so a

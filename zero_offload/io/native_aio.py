@@ -42,7 +42,7 @@ def native_lib() -> ctypes.CDLL | None:
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    lib._zo_aio_ready = True
+    setattr(lib, "_zo_aio_ready", True)  # its signatures are set (a CDLL takes any attribute)
     return lib
 
 
@@ -51,7 +51,8 @@ class _NativeFuture(IOFuture):
 
     def __init__(self, lib: ctypes.CDLL, req: int, write: bool, file: FileRef, keep: Any,
                  owned_fd: int | None) -> None:
-        self._lib, self._req, self._write, self._file = lib, req, write, file
+        self._lib, self._write, self._file = lib, write, file
+        self._req: int | None = req  # None once waited for (and freed)
         self._keep, self._owned_fd = keep, owned_fd  # the buffer must live until the I/O is done
         self._lock = threading.Lock()
         self._error: BaseException | None = None

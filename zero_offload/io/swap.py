@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -248,7 +248,7 @@ class SwapStore:
 
     def _bounced(self, e: _Entry, data: torch.Tensor, write: bool) -> None:
         """Runs on a helper thread: each block through a pooled aligned buffer, a few in flight."""
-        inflight: deque = deque()
+        inflight: deque[Any] = deque()
         try:
             for pos, n, index in e.blocks():
                 disk = round_up(n)
@@ -276,7 +276,7 @@ class SwapStore:
                 _quiet_wait(fut)
                 self._pool.release(buf)
 
-    def _acquire(self, nbytes: int, inflight: deque, data: torch.Tensor, write: bool) -> torch.Tensor:
+    def _acquire(self, nbytes: int, inflight: deque[Any], data: torch.Tensor, write: bool) -> torch.Tensor:
         """A bounce buffer; when the pool is exhausted, finish our own oldest block first, so a
         transfer never waits on buffers that only its own progress would free."""
         while inflight:
@@ -286,7 +286,7 @@ class SwapStore:
                 self._retire(inflight.popleft(), data, write)
         return self._pool.acquire(nbytes)
 
-    def _retire(self, item: tuple, data: torch.Tensor, write: bool) -> None:
+    def _retire(self, item: tuple[Any, ...], data: torch.Tensor, write: bool) -> None:
         fut, buf, pos, n = item
         try:
             fut.wait()

@@ -72,7 +72,7 @@ def check_space(needs: dict[str, int]) -> None:
                                           f"({_gib(need)}), only {free} bytes ({_gib(free)}) free")
 
 
-def _owner_alive(manifest: dict) -> bool:
+def _owner_alive(manifest: dict[str, Any]) -> bool:
     """Whether the process that wrote the manifest still runs (same pid AND same start time)."""
     pid = manifest.get("pid")
     try:
@@ -81,7 +81,7 @@ def _owner_alive(manifest: dict) -> bool:
         return False
 
 
-def _read_manifest(path: str) -> dict | None:
+def _read_manifest(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -137,13 +137,13 @@ class SwapFile:
         origin = "a closed engine of this process" if left is not None else "a crashed run"
         why = self._mismatch(old)
         if why is None:
-            log.warning("reusing swap file %s left by %s (pid %s)", self.path, origin, old["pid"])
+            log.warning("reusing swap file %s left by %s (pid %s)", self.path, origin, (old or {}).get("pid"))
             return True
         log.warning("removing swap dir %s left by %s: %s", self.dir, origin, why)
         shutil.rmtree(self.dir) if os.path.isdir(self.dir) and not os.path.islink(self.dir) else os.unlink(self.dir)
         return False
 
-    def _mismatch(self, old: dict | None) -> str | None:
+    def _mismatch(self, old: dict[str, Any] | None) -> str | None:
         """Why the leftover cannot be reused, or None when it can."""
         if old is None:
             return "no readable manifest"
@@ -300,7 +300,7 @@ def remove_left(roots: Sequence[str]) -> None:
     remove_files([f for d, f in list(_LEFT.items()) if os.path.dirname(d) in where])
 
 
-def _closed_here(directory: str, manifest: dict) -> bool:
+def _closed_here(directory: str, manifest: dict[str, Any]) -> bool:
     """A directory whose manifest names this process but that no open store of it holds: left by
     a store that was closed (its files could not be removed), so as free as a crashed run's."""
     return manifest.get("pid") == os.getpid() and directory not in _LIVE
@@ -365,7 +365,7 @@ _sigterm_guard = _SigtermGuard()
 
 def is_sigterm_guard(handler: Any) -> bool:
     """Whether `handler` is the swap files' SIGTERM handler (the default action, files removed first)."""
-    return handler == _sigterm_guard.handle
+    return bool(handler == _sigterm_guard.handle)
 
 
 def _locked(path: str) -> bool:

@@ -22,17 +22,17 @@ class DaemonPool(concurrent.futures.Executor):
         if workers < 1:
             raise ValueError(f"DaemonPool needs at least one worker, got {workers}")
         self._max, self._name = workers, name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._idle = threading.Semaphore(0)  # released by each worker that waits for work
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name} thread pool is shut down")
-            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
             self._queue.put((fut, fn, args, kwargs))
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._max:
                 t = threading.Thread(target=self._run, name=f"{self._name}_{len(self._threads)}", daemon=True)

@@ -7,10 +7,15 @@ and a device tensor is first copied to the host here.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from zero_offload.io.buffers import round_up
 from zero_offload.store.base import Handle, Store, check_tensor
+
+if TYPE_CHECKING:
+    from zero_offload.config import IOConfig
 
 
 class NvmeStore(Store):
@@ -19,7 +24,7 @@ class NvmeStore(Store):
     tier = "nvme"
 
     def __init__(self, paths: tuple[str, ...], name: str, rank: int, *, capacity_bytes: int,
-                 io: object | None = None) -> None:
+                 io: IOConfig | None = None) -> None:
         from zero_offload.io.swap import SwapStore
 
         self._swap = SwapStore(list(paths), name, rank, capacity_bytes=capacity_bytes, io=io)

@@ -24,7 +24,7 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> Handle:
     stream.wait_stream(torch.cuda.current_stream(device))  # src must be fully produced first
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(stream)
     for t in (dst, src):  # keep the caching allocator from reusing either before the copy ends
         if t.is_cuda:
@@ -48,7 +48,7 @@ def _side_stream(device: torch.device, direction: str) -> "torch.cuda.Stream":
     and copies in one direction stay in issue order."""
     with _STREAMS_LOCK:
         if (device, direction) not in _STREAMS:
-            _STREAMS[device, direction] = torch.cuda.Stream(device=device)
+            _STREAMS[device, direction] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return _STREAMS[device, direction]
 
 
