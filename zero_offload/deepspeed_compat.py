@@ -669,8 +669,9 @@ def _mapped(data: Mapping[str, Any]) -> Config:
                               "nvme_paths": _shared_nvme_paths(opt_paths, par_paths),
                               "optimizer": _optimizer(data), **_zero_scalars(zero, dtype_bytes),
                               **_pin_memory(zero, tiers), **_training(data)}
-    if _max_in_cpu_field(data):
-        kwargs["stage3"] = {**kwargs.get("stage3", {}), **_max_in_cpu_field(data)}
+    in_cpu = _max_in_cpu_field(data)
+    if in_cpu:
+        kwargs["stage3"] = {**kwargs.get("stage3", {}), **in_cpu}
     try:
         return Config(**kwargs)
     except ConfigError as exc:

@@ -309,10 +309,11 @@ def _drop_empty(units: list[UnitPlan], users: dict[nn.Module, tuple[int, ...]],
     return Plan([units[i] for i in keep], users2, chains2)
 
 
-# adopt(module name, module, unit indices, args, kwargs): the module acquires those units around its
-# calls from now on, this call included; returns the call's new (args, kwargs) or None, or raises
-# the message it is given when the module cannot (see Stage3Runtime.adopt).
-Adopt = Callable[[str, nn.Module, list[int], tuple, dict, str], "tuple | None"]
+# adopt(module name, module, unit indices, args, kwargs, why, hint): the module acquires those units
+# around its calls from now on, this call included; returns the call's new (args, kwargs) or None,
+# or raises `why` (the whole refusal) when the module cannot; `hint` names the units that would
+# gather less often (see Stage3Runtime.adopt).
+Adopt = Callable[[str, nn.Module, list[int], tuple, dict, str, str], "tuple | None"]
 
 
 class RootCheck:
@@ -346,13 +347,15 @@ class RootCheck:
             if not missing:
                 return None
             unit = self.plan.units[missing[0]]
-            why = self._in_backward(name, module, unit) if self.in_backward() else self._message(name, module, unit)
+            what, hint = (self._in_backward if self.in_backward() else self._message)(name, module, unit)
+            why = f"{what}; {hint}"
             if self.adopt is None:
                 raise RuntimeError(why)
-            return self.adopt(name, module, missing, args, kwargs, why)
+            return self.adopt(name, module, missing, args, kwargs, why, hint)
         return hook
 
-    def _message(self, name: str, module: nn.Module, unit: UnitPlan) -> str:
+    def _message(self, name: str, module: nn.Module, unit: UnitPlan) -> tuple[str, str]:
+        """What happened in forward, and the units that would work."""
         root = unit.name or "the model"
         below = name[len(unit.name) + 1:] if unit.name else name
         path, ran = unit.module, None
@@ -363,17 +366,18 @@ class RootCheck:
                 break
         return (f"stage 3: '{name}' ({type(module).__name__}) ran while its unit '{unit.name or '<root>'}' was "
                 f"not gathered: the forward of the unit's root module '{root}' ({type(unit.module).__name__}) never "
-                "ran (a module above it calls into it directly); make units of modules that run, e.g. "
-                f"stage3.unit_modules=['{type(ran or module).__name__}']"
+                "ran (a module above it calls into it directly)",
+                f"make units of modules that run, e.g. stage3.unit_modules=['{type(ran or module).__name__}']"
                 + (" (or none, for zero_offload's choice)" if self.named else ""))
 
-    def _in_backward(self, name: str, module: nn.Module, unit: UnitPlan) -> str:
+    def _in_backward(self, name: str, module: nn.Module, unit: UnitPlan) -> tuple[str, str]:
+        """What happened in backward, and the units that would work."""
         kids = [type(c).__name__ for c in unit.module.children() if _holds_params(c)] or [type(module).__name__]
         return (f"stage 3: '{name}' ({type(module).__name__}) ran in backward while its unit "
                 f"'{unit.name or '<root>'}' was not gathered: a method of '{unit.name or 'the model'}' "
                 f"({type(unit.module).__name__}) other than its forward calls it there (a reversible layer's own "
-                "backward does); make units of the modules that method calls, e.g. "
-                f"stage3.unit_modules={list(dict.fromkeys(kids))}")
+                "backward does)",
+                f"make units of the modules that method calls, e.g. stage3.unit_modules={list(dict.fromkeys(kids))}")
 
     def backward_done(self) -> None:
         """A backward completed: every way into the units has been seen once."""

@@ -98,7 +98,7 @@ class LiveBudget:
     count kept beside the state machine was split by a Ctrl-C between the two (a unit SHARDED
     again whose bytes stayed taken, or the other way round), and every later pass failed with
     BudgetExceeded or "released more than it took". `take` checks that a unit about to leave
-    SHARDED fits; `give` is its counterpart, kept for the callers' symmetry."""
+    SHARDED fits; a unit back in SHARDED gives its bytes back by being there."""
 
     def __init__(self, limit: int, units: Sequence[Unit] = ()) -> None:
         self.limit = limit
@@ -118,9 +118,6 @@ class LiveBudget:
         if live + nbytes > self.limit:
             raise AssertionError(f"live budget exceeded: {live} + {nbytes} > {self.limit}")
         self.peak = max(self.peak, live + nbytes)
-
-    def give(self, nbytes: int) -> None:  # noqa: ARG002 -- the unit's SHARDED state gives it back
-        """A unit went back to SHARDED (or never left it)."""
 
 
 class Schedule:
@@ -239,7 +236,6 @@ class Prefetcher:
             self.prefetched.insert(0, unit)
             return
         unit.release()
-        self.budget.give(unit.nbytes)
 
     def end_pass(self, found: object = ()) -> None:
         self._drop_prefetched()
@@ -335,13 +331,10 @@ class Prefetcher:
             self._let_go(unit)
 
     def _let_go(self, unit: Unit) -> None:
-        try:
-            if unit.state is UnitState.GATHERED:
-                unit.release()
-            elif unit.state is UnitState.FETCHING:
-                unit.abandon()
-        finally:
-            self.budget.give(unit.nbytes)
+        if unit.state is UnitState.GATHERED:
+            unit.release()
+        elif unit.state is UnitState.FETCHING:
+            unit.abandon()
 
     def _drop_prefetched(self, keep: Unit | None = None) -> None:
         for u in list(self.prefetched):

@@ -257,8 +257,8 @@ class Stage3Runtime(RuntimeBase):
 
     # ---- construction ----
     def _make_units(self, plan: Plan, elem: int, shapes: dict[int, torch.Size]) -> None:
-        in_cpu = self._units_in_cpu(plan, shapes)
         numels = [sum(shapes[id(p)].numel() for _, p in up.params) for up in plan.units]
+        in_cpu = self._units_in_cpu(numels)
         rest = [n for i, n in enumerate(numels) if i not in in_cpu]
         self.params_store = make_store(self.config.tiers.params, "params", self.config, device=self.device,
                                        rank=self.rank, capacity_bytes=self._capacity(rest, elem))
@@ -280,16 +280,17 @@ class Stage3Runtime(RuntimeBase):
         """A params store's bytes for units of these sizes: this rank's shards, their padding and slot rounding."""
         return (sum(numels) // self.world + 64 * len(numels)) * elem + 2 * len(numels) * BLOCK + (1 << 20)
 
-    def _units_in_cpu(self, plan: Plan, shapes: dict[int, torch.Size]) -> set[int]:
-        """stage3.max_in_cpu with parameters on nvme: the first units, in model order, whose shards
-        of this rank add up to at most that many elements stay in host RAM, as DeepSpeed keeps
-        its first parameter partitions in CPU memory up to offload_param.max_in_cpu."""
+    def _units_in_cpu(self, numels: list[int]) -> set[int]:
+        """stage3.max_in_cpu with parameters on nvme: the first units (`numels`: their sizes, in
+        model order) whose shards of this rank add up to at most that many elements stay in host
+        RAM, as DeepSpeed keeps its first parameter partitions in CPU memory up to max_in_cpu."""
         limit = self.config.stage3.max_in_cpu
         if not limit or not tier(self.config.tiers.params).needs_nvme_paths:
             return set()
-        kept, total = set(), 0
-        for i, up in enumerate(plan.units):
-            total += -(-sum(shapes[id(p)].numel() for _, p in up.params) // self.world)
+        kept: set[int] = set()
+        total = 0
+        for i, numel in enumerate(numels):
+            total += -(-numel // self.world)
             if total > limit:
                 break
             kept.add(i)
@@ -395,7 +396,7 @@ class Stage3Runtime(RuntimeBase):
                                "class enclosing both in stage3.unit_modules") from None
 
     def adopt(self, name: str, module: nn.Module, indices: list[int], args: tuple, kwargs: dict,
-              why: str) -> tuple | None:
+              why: str, hint: str) -> tuple | None:
         """RootCheck: `module` runs while units holding its parameters are not gathered, since
         their root's forward does not run around it (a root calling a child's method,
         checkpoint_sequential, a reversible layer's backward). From this call on it acquires
@@ -412,7 +413,7 @@ class Stage3Runtime(RuntimeBase):
             warnings.warn(f"stage 3: '{name}' ({type(module).__name__}) ran while its unit '{units[0].name or '<root>'}' "
                           "was not gathered (the forward of the unit's root did not run around it), so such modules "
                           "now gather their unit around their own calls and training goes on; for fewer gathers "
-                          f"{why[why.index('make units'):]}", stacklevel=2)
+                          f"{hint}", stacklevel=2)
         self._adopted.append(name)
         return result
 
@@ -525,7 +526,7 @@ class Stage3Runtime(RuntimeBase):
         that changes a trainable value in backward, after its shard may have been stepped, is refused.
         One transaction (interrupts held): a Ctrl-C between the master and the compute copy would
         leave the two apart."""
-        if u.state is not UnitState.GATHERED or not any(u.edited_names(g) for g in u.groups):
+        if u.state is not UnitState.GATHERED or not u.edited():
             return
         with held_interrupts():
             self._write_pass_edits(u)
@@ -905,13 +906,11 @@ class Stage3Runtime(RuntimeBase):
     def retained(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(bytes held now, high-water mark) by (group, tier): the params tier holds the compute-copy
         shards; gathered units are reported by extras()."""
-        ps, cs = self.params_store, self.params_cpu_store
-        frozen = {tier_name: self._frozen_shard_bytes(store) for tier_name, store in
-                  ((self.config.tiers.params, ps), (CPU.name, cs))}  # not in the ledger's weights: named in extras()
-        held = {("weights", self.config.tiers.params): (ps.bytes_retained() - frozen[self.config.tiers.params],
-                                                        ps.peak_bytes() - frozen[self.config.tiers.params])}
-        if cs is not None:
-            held[("weights", CPU.name)] = (cs.bytes_retained() - frozen[CPU.name], cs.peak_bytes() - frozen[CPU.name])
+        held: dict[tuple[str, str], tuple[int, int]] = {}
+        for tier_name, store in ((self.config.tiers.params, self.params_store), (CPU.name, self.params_cpu_store)):
+            if store is not None:  # frozen shards are not in the ledger's weights: extras() names them
+                frozen = self._frozen_shard_bytes(store)
+                held[("weights", tier_name)] = (store.bytes_retained() - frozen, store.peak_bytes() - frozen)
         return {**held, **self.state_retained()}
 
     def _frozen_shard_bytes(self, store: Any = None) -> int:
@@ -964,7 +963,7 @@ class Stage3Runtime(RuntimeBase):
         steps = [self.prefetcher.close] if self.prefetcher is not None else []
         if self.shard_optimizer is not None:
             steps += [self.shard_optimizer.close, self._settle_writes]
-        close_in_order(steps, [self.accumulator, self.params_store, getattr(self, "params_cpu_store", None)])
+        close_in_order(steps, [self.accumulator, self.params_store, self.params_cpu_store])
 
     def _settle_writes(self) -> None:
         for u in self.units:

@@ -233,6 +233,12 @@ class Unit:
         `edited_groups` finds."""
         self._gathered_marks = {id(p): (p._version, p.data_ptr()) for p in self.params()}
 
+    def edited(self) -> bool:
+        """Whether any parameter was written in place or given new storage since `note_gathered`
+        (checked at every call exit of a pass: a short-circuiting scan, no list)."""
+        marks = self._gathered_marks
+        return any(marks.get(id(p)) != (p._version, p.data_ptr()) for g in self.groups for p in g.params)
+
     def edited_names(self, g: FlatGroup) -> list[str]:
         """The parameters of `g` written in place or given new storage since `note_gathered`."""
         return [n for n, p in zip(g.names, g.params) if self._gathered_marks.get(id(p)) != (p._version, p.data_ptr())]

@@ -165,6 +165,7 @@ class ShardOptimizer:
         self.speculation_bytes = config.speculative_step_bytes if (
             config.overlap_step and config.clip_grad_norm > 0 and not self.scaler.enabled) else 0
         self._snapshots: dict[str, torch.Tensor] = {}
+        self.snapshot_bytes = 0  # host bytes the snapshots hold (kept for the next steps)
         self._speculated: list[str] = []
         self.speculated_steps = 0  # steps whose speculative updates were kept (statistics, benchmarks)
         self.rollbacks = 0  # steps that redid them with the clip coefficient
@@ -261,14 +262,10 @@ class ShardOptimizer:
         need = sum(4 * self.spec.state_numel(p.numel) for p in self.subshards[key] if p.key not in self._snapshots)
         return self.snapshot_bytes + need <= self.speculation_bytes
 
-    @property
-    def snapshot_bytes(self) -> int:
-        """Host bytes the speculative step's snapshots hold (they are kept for the next steps)."""
-        return sum(4 * t.numel() for t in self._snapshots.values())
-
     def _snapshot(self, sub: SubShard) -> torch.Tensor:
         if sub.key not in self._snapshots:
             self._snapshots[sub.key] = aligned_tensor(self.spec.state_numel(sub.numel), torch.float32)
+            self.snapshot_bytes += 4 * self.spec.state_numel(sub.numel)
         return self._snapshots[sub.key]
 
     def _roll_back(self, *, restore_copies: bool = False) -> None:
